@@ -1,0 +1,94 @@
+"""One command for the GPU machine: every GPU test, then every benchmark; prints a table.
+
+    python benchmarks/run_gpu.py [--only NAME ...] [--skip-tests] [--out DIR]
+
+Writes ``benchmarks/results.json`` (a list of {"name", "value", "unit", "target", "commit", "date"}) and,
+when ``$OUT`` or ``--out`` is set, copies of it and of the logs there. Each ``benchmarks/bench_*.py`` module
+exposes ``run(record)``; a failing benchmark is reported and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        return os.environ.get("FLASHQUANT_COMMIT", "unknown")
+
+
+def run_tests(out_dir: Path | None) -> int:
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "tests"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    if out_dir:
+        (out_dir / "gpu_tests.log").write_text(log)
+    print("\n".join(log.splitlines()[-40:]))
+    return proc.returncode
+
+
+def run_benchmarks(only: list[str] | None) -> list[dict]:
+    sys.path.insert(0, str(ROOT))
+    commit, date = _commit(), datetime.date.today().isoformat()
+    results: list[dict] = []
+
+    def record(name: str, value: float, unit: str, target: str | None = None) -> None:
+        entry = {"name": name, "value": float(value), "unit": unit, "target": target, "commit": commit, "date": date}
+        results.append(entry)
+        print(f"  {name:<44} {value:>12.4g} {unit:<10} {target or ''}", flush=True)
+
+    for path in sorted(HERE.glob("bench_*.py")):
+        name = path.stem
+        if only and not any(o in name for o in only):
+            continue
+        print(f"== {name}", flush=True)
+        try:
+            importlib.import_module(f"benchmarks.{name}").run(record)
+        except Exception:
+            traceback.print_exc()
+            record(f"{name}_failed", 1, "error")
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="run only benchmarks whose module name contains one of these")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    args = parser.parse_args()
+    out_dir = Path(args.out) if args.out else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    test_rc = 0 if args.skip_tests else run_tests(out_dir)
+    results = run_benchmarks(args.only)
+    text = json.dumps(results, indent=1)
+    (HERE / "results.json").write_text(text)
+    if out_dir:
+        (out_dir / "results.json").write_text(text)
+    print(f"\n{'name':<44} {'value':>12} unit       target")
+    for r in results:
+        print(f"{r['name']:<44} {r['value']:>12.4g} {r['unit']:<10} {r['target'] or ''}")
+    print(f"GPU tests exit code: {test_rc}")
+    return test_rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""GPU timing helpers shared by every benchmark: CUDA events, warm-up, median, cold L2 by rotation."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+import torch
+
+L2_BYTES = 60 * 1024 * 1024  # the H200's L2 is 60 MB; inputs are rotated beyond it
+
+
+def copies_to_exceed_l2(bytes_per_input: int, l2_bytes: int = 2 * L2_BYTES) -> int:
+    """How many input sets to rotate through so consecutive runs never hit in L2."""
+    return max(1, -(-l2_bytes // max(1, bytes_per_input)) + 1)
+
+
+def time_ms(fns: Sequence[Callable[[], object]] | Callable[[], object], reps: int = 50, warmup_ms: float = 30.0) -> float:
+    """Median milliseconds of one call, cycling through ``fns`` (one closure per rotated input set)."""
+    fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    calls = 0
+    while True:  # time-based warm-up: compile, autotune and clock ramp stay out of the numbers
+        fns[calls % len(fns)]()
+        calls += 1
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > warmup_ms and calls >= 3:
+            break
+    times = []
+    for i in range(max(reps, 50)):
+        start.record()
+        fns[i % len(fns)]()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth (GB/s, bytes read + written) measured now: the HBM ceiling."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), reps=50)
+    return 2 * src.numel() / (ms * 1e-3) / 1e9

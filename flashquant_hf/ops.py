@@ -1,0 +1,58 @@
+"""Public ops: each call is routed to the CUDA kernel or the PyTorch reference of the same name.
+
+This module and :mod:`flashquant_hf.backend` are the only places that know two implementations exist.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+
+import torch
+
+from .backend import requested_backend, resolve_backend
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def implementation(op: str, *tensors: torch.Tensor) -> ModuleType:
+    """The module (``kernels.<op>`` or ``reference.<op>``) that runs ``op`` on ``tensors``."""
+    if resolve_backend(*tensors) == "torch":
+        return importlib.import_module(f"flashquant_hf.reference.{op}")
+    try:
+        return importlib.import_module(f"flashquant_hf.kernels.{op}")
+    except ModuleNotFoundError as error:
+        if error.name != f"flashquant_hf.kernels.{op}" or requested_backend() == "cuda":
+            raise
+        if op not in _warned:
+            _warned.add(op)
+            logger.warning("flashquant-hf has no CUDA kernel for `%s` yet; using the PyTorch reference", op)
+        return importlib.import_module(f"flashquant_hf.reference.{op}")
+
+
+def compress(x, rotation, boundaries, bits, centroids=None, norm_correction=False):
+    """See :func:`flashquant_hf.reference.compress.compress`."""
+    return implementation("compress", x).compress(x, rotation, boundaries, bits, centroids, norm_correction)
+
+
+def decompress(packed, norms, rotation, centroids, bits, head_dim, dtype=torch.float32):
+    """See :func:`flashquant_hf.reference.decompress.decompress`."""
+    return implementation("decompress", packed).decompress(packed, norms, rotation, centroids, bits, head_dim, dtype)
+
+
+def tq_attention(
+    q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
+    causal=False, key_bias=None,
+):
+    """See :func:`flashquant_hf.reference.tq_attention.tq_attention`."""
+    return implementation("tq_attention", q_rot, k_packed).tq_attention(
+        q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
+        causal=causal, key_bias=key_bias,
+    )
+
+
+def merge_partials(outs, lses):
+    """See :func:`flashquant_hf.reference.split_k.merge_partials`."""
+    return implementation("split_k", outs).merge_partials(outs, lses)

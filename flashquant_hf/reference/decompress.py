@@ -1,0 +1,32 @@
+"""Reference TurboQuant decompression: unpack, centroid lookup, scale, rotate back."""
+
+from __future__ import annotations
+
+import torch
+
+from ..packing import unpack_indices
+
+
+def decompress(
+    packed: torch.Tensor,
+    norms: torch.Tensor,
+    rotation: torch.Tensor,
+    centroids: torch.Tensor,
+    bits: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Reconstruct ``x_hat = norm * centroids[idx] @ rotation``.
+
+    packed : uint8 [..., ceil(D*bits/8)]; norms : fp32 [...]; returns ``dtype`` [..., D].
+    """
+    indices = unpack_indices(packed, bits, head_dim)
+    rotated = centroids[indices] * norms.unsqueeze(-1)
+    return (rotated @ rotation).to(dtype)
+
+
+def dequantize_rotated(
+    packed: torch.Tensor, norms: torch.Tensor, centroids: torch.Tensor, bits: int, head_dim: int
+) -> torch.Tensor:
+    """``norm * centroids[idx]`` in rotated space (fp32 [..., D]): what the attention kernels read."""
+    return centroids[unpack_indices(packed, bits, head_dim)] * norms.unsqueeze(-1)

@@ -1,0 +1,14 @@
+import pytest
+import torch
+
+POISON = float("nan")
+
+
+@pytest.fixture
+def poison():
+    """Fill a tensor with a value no kernel writes (NaN for floats, 0xAB for bytes) before a launch."""
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(0xAB if t.dtype == torch.uint8 else POISON)
+
+    return fill
