@@ -32,14 +32,18 @@ def implementation(op: str, *tensors: torch.Tensor) -> ModuleType:
         return importlib.import_module(f"flashquant_hf.reference.{op}")
 
 
-def compress(x, rotation, boundaries, bits, centroids=None, norm_correction=False):
+def compress(x, rotation, boundaries, bits, centroids=None, norm_correction=False, hadamard_signs=None):
     """See :func:`flashquant_hf.reference.compress.compress`."""
-    return implementation("compress", x).compress(x, rotation, boundaries, bits, centroids, norm_correction)
+    return implementation("compress", x).compress(
+        x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs
+    )
 
 
-def decompress(packed, norms, rotation, centroids, bits, head_dim, dtype=torch.float32):
+def decompress(packed, norms, rotation, centroids, bits, head_dim, dtype=torch.float32, hadamard_signs=None):
     """See :func:`flashquant_hf.reference.decompress.decompress`."""
-    return implementation("decompress", packed).decompress(packed, norms, rotation, centroids, bits, head_dim, dtype)
+    return implementation("decompress", packed).decompress(
+        packed, norms, rotation, centroids, bits, head_dim, dtype, hadamard_signs
+    )
 
 
 def tq_attention(

@@ -10,7 +10,7 @@ import torch
 from . import ops
 from .codebook import SUPPORTED_BITS, lloyd_max_codebook
 from .packing import packed_size
-from .rotation import ROTATIONS, random_rotation
+from .rotation import ROTATIONS, hadamard_signs, random_rotation
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -81,6 +81,13 @@ class TurboQuantizer:
         return random_rotation(self.head_dim, self.seed, self.rotation_kind, device=device)
 
     @functools.cache
+    def hadamard_signs(self, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """Signs of the Hadamard rotation (fp32 ``[D]``) so kernels can use a fast transform; None for Haar."""
+        if self.rotation_kind != "hadamard":
+            return None
+        return hadamard_signs(self.head_dim, self.seed, device=device)
+
+    @functools.cache
     def centroids(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Codebook centroids fp32 ``[2^bits]`` on ``device``."""
         return self.codebook.tensors(device)[0]
@@ -107,7 +114,8 @@ class TurboQuantizer:
         """(packed, norms) of ``x`` without validation: the hot path for callers that checked already."""
         dev = x.device
         return ops.compress(
-            x, self.rotation(dev), self.boundaries(dev), self.bits, self.centroids(dev), self.norm_correction
+            x, self.rotation(dev), self.boundaries(dev), self.bits, self.centroids(dev), self.norm_correction,
+            self.hadamard_signs(dev),
         )
 
     def compress(self, x: torch.Tensor) -> CompressedTensor:
@@ -126,5 +134,5 @@ class TurboQuantizer:
         dev = c.indices.device
         return ops.decompress(
             c.indices, c.norms, self.rotation(dev), self.centroids(dev), self.bits, self.head_dim,
-            dtype or c.dtype,
+            dtype or c.dtype, self.hadamard_signs(dev),
         )

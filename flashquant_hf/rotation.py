@@ -57,3 +57,13 @@ def random_rotation(
     True
     """
     return torch.tensor(_rotation_f64(head_dim, seed, kind), dtype=torch.float32, device=device)
+
+
+def hadamard_signs(head_dim: int, seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The random signs ``s`` of the Hadamard rotation ``Pi = H diag(s) / sqrt(D)`` (fp32 ``[D]``).
+
+    Kernels given these signs may apply ``Pi`` as a fast Walsh-Hadamard transform instead of a dense matmul:
+    ``y = x @ Pi.T = FWHT(s * x) / sqrt(D)`` and ``x = y @ Pi = s * FWHT(y) / sqrt(D)``.
+    """
+    matrix = _rotation_f64(head_dim, seed, "hadamard")
+    return torch.tensor(matrix[0] * np.sqrt(head_dim), dtype=torch.float32, device=device)

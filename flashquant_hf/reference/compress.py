@@ -14,6 +14,7 @@ def compress(
     bits: int,
     centroids: torch.Tensor | None = None,
     norm_correction: bool = False,
+    hadamard_signs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress head vectors.
 
@@ -24,6 +25,8 @@ def compress(
     boundaries : shape [2^bits - 1] fp32, sorted
     centroids : shape [2^bits] fp32; needed only for ``norm_correction``
     norm_correction : store ``||x|| / ||centroids[idx]||`` so the reconstruction keeps the exact norm
+    hadamard_signs : shape [D] fp32, given when ``rotation`` is ``H diag(s) / sqrt(D)``; kernels may then use a
+        fast Walsh-Hadamard transform. The reference always uses the dense matrix.
 
     Returns
     -------

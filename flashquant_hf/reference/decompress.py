@@ -15,8 +15,11 @@ def decompress(
     bits: int,
     head_dim: int,
     dtype: torch.dtype = torch.float32,
+    hadamard_signs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reconstruct ``x_hat = norm * centroids[idx] @ rotation``.
+
+    ``hadamard_signs``: see :func:`flashquant_hf.reference.compress.compress` (ignored here).
 
     packed : uint8 [..., ceil(D*bits/8)]; norms : fp32 [...]; returns ``dtype`` [..., D].
     """
