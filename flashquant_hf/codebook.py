@@ -57,7 +57,7 @@ class _SphereMarginal:
         # so the grid resolves the bulk finely.
         half_width = min(1.0, 12.0 / np.sqrt(head_dim))
         t = np.linspace(-half_width, half_width, _GRID_POINTS)
-        log_f = 0.5 * (head_dim - 3) * np.log1p(-np.minimum(t * t, 1 - 1e-300))
+        log_f = 0.5 * (head_dim - 3) * np.log1p(-np.minimum(t * t, 1 - 1e-16))
         f = np.exp(log_f - log_f.max())
         dt = t[1] - t[0]
         self.t = t
