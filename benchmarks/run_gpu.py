@@ -24,22 +24,25 @@ ROOT = HERE.parent
 
 
 def _commit() -> str:
+    if os.environ.get("FLASHQUANT_COMMIT"):  # the device machine gets a copy of the tree without .git
+        return os.environ["FLASHQUANT_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
     except Exception:
-        return os.environ.get("FLASHQUANT_COMMIT", "unknown")
+        return "unknown"
 
 
-def run_tests(out_dir: Path | None) -> int:
+def run_tests(out_dir: Path | None) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "tests"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     if out_dir:
         (out_dir / "gpu_tests.log").write_text(log)
     print("\n".join(log.splitlines()[-40:]))
-    return proc.returncode
+    summary = next((line.strip("= ") for line in reversed(log.splitlines()) if " passed" in line or " failed" in line), "no summary")
+    return proc.returncode, summary
 
 
 def run_benchmarks(only: list[str] | None) -> list[dict]:
@@ -65,6 +68,16 @@ def run_benchmarks(only: list[str] | None) -> list[dict]:
     return results
 
 
+def render_markdown(results: list[dict], gpu: str, test_summary: str) -> str:
+    """A RESULTS.md section: date, commit, GPU, and one table row per measurement."""
+    commit = results[0]["commit"] if results else _commit()
+    date = results[0]["date"] if results else datetime.date.today().isoformat()
+    lines = [f"## {date} · commit {commit} · {gpu}", "", f"GPU tests: {test_summary}", "",
+             "| name | value | unit | target |", "|---|---:|---|---|"]
+    lines += [f"| {r['name']} | {r['value']:.4g} | {r['unit']} | {r['target'] or ''} |" for r in results]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="run only benchmarks whose module name contains one of these")
@@ -77,12 +90,14 @@ def main() -> int:
     import torch
 
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    test_rc = 0 if args.skip_tests else run_tests(out_dir)
+    test_rc, summary = (0, "not run") if args.skip_tests else run_tests(out_dir)
     results = run_benchmarks(args.only)
     text = json.dumps(results, indent=1)
     (HERE / "results.json").write_text(text)
+    markdown = render_markdown(results, torch.cuda.get_device_name(), summary)
     if out_dir:
         (out_dir / "results.json").write_text(text)
+        (out_dir / "RESULTS_section.md").write_text(markdown)
     print(f"\n{'name':<44} {'value':>12} unit       target")
     for r in results:
         print(f"{r['name']:<44} {r['value']:>12.4g} {r['unit']:<10} {r['target'] or ''}")
