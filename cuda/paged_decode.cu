@@ -1,0 +1,648 @@
+// Split-K FlashDecoding over a TQ4-compressed KV cache (paged store or contiguous per-layer layout).
+//
+// One CTA (4 warps) serves up to 8 query heads of one KV head for one key range ("split") of one sequence, so
+// the K/V bytes are read once under GQA. Both products run on tensor cores (mma.sync m16n8k16, fp32 accumulate):
+//
+//   S^T = K Q^T   A = 16 keys x 16 dims built from packed nibbles, B = Q^T (8 head slots), C = keys x heads
+//   O^T = V^T P^T A = 16 dims x 16 keys built from packed nibbles, B = P^T (after one movmatrix transpose)
+//
+// The contraction dimension of an mma may be permuted freely as long as A and B agree. The kernel uses this
+// twice so that every A register is one table lookup of one byte:
+//   * QK: k-step kk of lane (g, t) takes bytes 2kk and 2kk+1 of the lane's quarter of a key row (bytes
+//     t*D/8 ..); byte b holds dims 2b (high nibble) and 2b+1, so the lane's Q^T fragment is the contiguous
+//     dims t*D/4 + 4kk + {0,1} and {2,3} of head g.
+//   * PV: output row g of m-tile m is dim (D/8)g + 2m (high nibble of byte (D/16)g + m), row g+8 is the next
+//     dim (low nibble). The two keys 2t, 2t+1 of one A register are merged into one byte (high nibbles of both,
+//     or low nibbles of both) with two logic ops, then looked up like a key byte.
+// The table maps a byte to the packed pair (centroid[high nibble] in the low half, centroid[low nibble] in the
+// high half), in the mma element type, with one copy per lane (word e*32 + lane) so lookups never conflict.
+//
+// Softmax runs in the log2 domain (log2(e) folded into the scale); norms scale the scores per key after the
+// mma and P (not the denominator) is multiplied by the value norms before the transpose. Each split writes a
+// normalised partial output and its natural-log lse (-inf, out 0 for an empty split); split_k_reduce.cu merges.
+//
+// Template parameters: D head dim (64/128/256), QK query dtype (0 fp16 -> fp16 mma, 1 bf16, 2 fp32 -> bf16 mma),
+// MODE 0 contiguous, 1 contiguous + key_bias, 2 paged. Paged and contiguous differ only in address computation.
+
+namespace fqd {
+
+typedef unsigned int u32;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kLutBytes = 256 * 32 * 4;  // one byte->pair table, one 4-byte copy per lane
+constexpr int kPagesOffset = 2 * kLutBytes;
+
+enum { kQHalf = 0, kQBf16 = 1, kQFloat = 2 };
+enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
+
+template <int D>
+struct Traits {
+  static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+  static constexpr int kSteps = D / 16;    // k-steps of S^T = K Q^T
+  static constexpr int kMTiles = D / 16;   // m-tiles of O^T = V^T P^T
+  static constexpr int kKBytes = D / 8;    // bytes of a key row held by one lane (a quarter of D/2)
+  static constexpr int kVBytes = D / 16;   // bytes of a value row held by one lane (an eighth of D/2)
+  static constexpr int kKWords = kKBytes / 4;
+  static constexpr int kVWords = kVBytes / 4;
+  static constexpr int kTiles = D == 256 ? 1 : 2;  // 16-key tiles per warp iteration (more spills)
+  static constexpr int kChunk = 16 * kTiles;
+  static constexpr int kMinBlocks = D == 256 ? 2 : 3;
+  static_assert(kVWords >= 1 && kKWords >= 2, "lane slices are whole words");
+};
+
+// NVRTC has no <math.h>: +inf from its bit pattern.
+__device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float lg2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two floats -> one register of the mma element type, `lo` in the low half (the lower k / n index).
+template <bool F16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 r;
+  if constexpr (F16) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+}
+
+template <bool F16>
+__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  if constexpr (F16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// 8x8 b16 transpose across the warp: lane (g, t) holds row g, cols 2t, 2t+1 before and after.
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+  u32 y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Streaming loads: every byte is read once, so keep it out of L1.
+template <int NW>
+__device__ __forceinline__ void load_words(u32 (&w)[NW], const unsigned char* p) {
+  if constexpr (NW == 1) {
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
+  } else if constexpr (NW == 2) {
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+  } else if constexpr (NW == 4) {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "l"(p));
+  } else {
+    static_assert(NW == 8, "1, 2, 4 or 8 words");
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "l"(p));
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(w[4]), "=r"(w[5]), "=r"(w[6]), "=r"(w[7])
+                 : "l"(p + 16));
+  }
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+__device__ __forceinline__ float load_f32(const float* p) {
+  float x;
+  asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(x) : "l"(p));
+  return x;
+}
+
+template <int QK>
+__device__ __forceinline__ float load_query(const void* q, long long index) {
+  if constexpr (QK == kQFloat) {
+    return static_cast<const float*>(q)[index];
+  } else {
+    const unsigned short bits = static_cast<const unsigned short*>(q)[index];
+    if constexpr (QK == kQBf16) {
+      return __uint_as_float(static_cast<u32>(bits) << 16);
+    } else {
+      float f;
+      asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
+      return f;
+    }
+  }
+}
+
+// Byte K of w in the low byte (one ALU op: LOP3, PRMT or SHF).
+template <int K>
+__device__ __forceinline__ u32 byte_of(u32 w) {
+  if constexpr (K == 0) {
+    return w & 0xFFu;
+  } else if constexpr (K == 3) {
+    return w >> 24;
+  } else {
+    return __byte_perm(w, 0u, 0x4440u | K);
+  }
+}
+
+// This lane's view of one byte->pair table: entry e of lane l lives at e * 128 + l * 4 (bank = lane).
+// The entry stride is read from blockDim.x (== kThreads == 128): an opaque multiplier keeps the address on
+// the FMA pipe as one IMAD (byte * stride + lane base) instead of an ALU shift-add, so a lookup costs
+// 1 ALU + 1 IMAD + 1 LDS. The lane base is a 32-bit shared address hidden from the optimiser so that it is
+// not split again into "shared window base + lane offset" (one more add per lookup).
+struct Lut {
+  u32 lane_base;
+  u32 stride;
+
+  __device__ __forceinline__ Lut(const unsigned char* table, int lane, u32 entry_stride) : stride(entry_stride) {
+    lane_base = static_cast<u32>(__cvta_generic_to_shared(table)) + static_cast<u32>(lane) * 4u;
+    asm volatile("" : "+r"(lane_base));
+  }
+
+  template <int K>
+  __device__ __forceinline__ u32 get(u32 w) const {
+    u32 value;
+    // volatile: LLVM must not sink the load past the barrier before the merge reuses this memory.
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(value) : "r"(byte_of<K>(w) * stride + lane_base));
+    return value;
+  }
+};
+
+// Registers of one 16-key tile for lane (g, t).
+template <int D>
+struct Tile {
+  u32 k[2][Traits<D>::kKWords];  // key rows g, g+8: bytes t*D/8 ..
+  u32 v[4][Traits<D>::kVWords];  // value rows 2t, 2t+1, 2t+8, 2t+9: bytes g*D/16 ..
+  float kn[2];                   // key norms of rows g, g+8
+  float vn[2];                   // value norms of rows g, g+8
+  float bias[2];                 // key_bias of rows g, g+8 (MODE 1)
+};
+
+// `base + index * stride` (bytes) in one IMAD.WIDE.U32 (written in PTX so it is not split into a wide
+// multiply plus a 64-bit add).
+__device__ __forceinline__ const unsigned char* at(const unsigned char* base, u32 index, u32 stride) {
+  unsigned long long r;
+  asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(r) : "r"(index), "r"(stride), "l"(base));
+  return reinterpret_cast<const unsigned char*>(r);
+}
+
+// Where the bytes of one (sequence, KV head) live; the only place the two layouts differ.
+// Contiguous: one base per tensor plus byte strides between keys.
+// Paged: [block][kv head][K idx bs*D/2 | K norm bs*4 | V idx bs*D/2 | V norm bs*4]; the split's block-table
+// slice sits in shared memory and pages are found with shifts.
+// The K base already points at the lane's quarter of a row (t*D/8), the V base at its eighth (g*D/16).
+template <int D, int MODE>
+struct KVAddress {
+  const unsigned char* k;   // contiguous: sequence base; paged: this head's K section in block 0
+  const unsigned char* v;
+  const unsigned char* kn;
+  const unsigned char* vn;
+  const unsigned char* bias;
+  u32 k_sn, v_sn, kn_sn, vn_sn, bias_sn;  // contiguous: bytes between consecutive keys
+  const int* pages;                       // paged: block ids of this split (shared memory)
+  int page0, log2_bs;
+  u32 page_stride;                        // paged: bytes per block (all heads)
+
+  // Loads the lane's slice of the tile starting at key ts; keys past `last` are clamped to it (masked later).
+  __device__ __forceinline__ void load(Tile<D>& tile, int ts, int last) const {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 rk0 = min(ts + g, last), rk1 = min(ts + g + 8, last);
+    const u32 rv0 = min(ts + 2 * t, last), rv1 = min(ts + 2 * t + 1, last);
+    const u32 rv2 = min(ts + 2 * t + 8, last), rv3 = min(ts + 2 * t + 9, last);
+    if constexpr (MODE == kPaged) {
+      // Tiles start at multiples of 16, so keys ts..ts+7 share a block, and so do ts+8..ts+15.
+      const u32 plo = pages[(min(ts, last) >> log2_bs) - page0];  // a tile past `last` reuses its block
+      const u32 phi = pages[(min(ts + 8, last) >> log2_bs) - page0];
+      const u32 mask = (1u << log2_bs) - 1u;
+      const unsigned char* k_lo = at(k, plo, page_stride);
+      const unsigned char* k_hi = at(k, phi, page_stride);
+      const unsigned char* v_lo = at(v, plo, page_stride);
+      const unsigned char* v_hi = at(v, phi, page_stride);
+      const unsigned char* kn_lo = at(kn, plo, page_stride);
+      const unsigned char* kn_hi = at(kn, phi, page_stride);
+      const unsigned char* vn_lo = at(vn, plo, page_stride);
+      const unsigned char* vn_hi = at(vn, phi, page_stride);
+      load_words(tile.k[0], at(k_lo, rk0 & mask, D / 2));
+      load_words(tile.k[1], at(k_hi, rk1 & mask, D / 2));
+      load_words(tile.v[0], at(v_lo, rv0 & mask, D / 2));
+      load_words(tile.v[1], at(v_lo, rv1 & mask, D / 2));
+      load_words(tile.v[2], at(v_hi, rv2 & mask, D / 2));
+      load_words(tile.v[3], at(v_hi, rv3 & mask, D / 2));
+      tile.kn[0] = load_f32(reinterpret_cast<const float*>(at(kn_lo, rk0 & mask, 4)));
+      tile.kn[1] = load_f32(reinterpret_cast<const float*>(at(kn_hi, rk1 & mask, 4)));
+      tile.vn[0] = load_f32(reinterpret_cast<const float*>(at(vn_lo, rk0 & mask, 4)));
+      tile.vn[1] = load_f32(reinterpret_cast<const float*>(at(vn_hi, rk1 & mask, 4)));
+    } else {
+      load_words(tile.k[0], at(k, rk0, k_sn));
+      load_words(tile.k[1], at(k, rk1, k_sn));
+      load_words(tile.v[0], at(v, rv0, v_sn));
+      load_words(tile.v[1], at(v, rv1, v_sn));
+      load_words(tile.v[2], at(v, rv2, v_sn));
+      load_words(tile.v[3], at(v, rv3, v_sn));
+      tile.kn[0] = load_f32(reinterpret_cast<const float*>(at(kn, rk0, kn_sn)));
+      tile.kn[1] = load_f32(reinterpret_cast<const float*>(at(kn, rk1, kn_sn)));
+      tile.vn[0] = load_f32(reinterpret_cast<const float*>(at(vn, rk0, vn_sn)));
+      tile.vn[1] = load_f32(reinterpret_cast<const float*>(at(vn, rk1, vn_sn)));
+      if constexpr (MODE == kContiguousBias) {
+        tile.bias[0] = load_f32(reinterpret_cast<const float*>(at(bias, rk0, bias_sn)));
+        tile.bias[1] = load_f32(reinterpret_cast<const float*>(at(bias, rk1, bias_sn)));
+      }
+    }
+  }
+
+  // L2 prefetch of the chunk starting at ts0: lane l touches the 128-byte lines of key ts0 + l (K row, V row,
+  // both norms), so the warp covers all rows without holding registers for them. The lane offsets already in
+  // the bases stay inside the row's line.
+  __device__ __forceinline__ void prefetch_chunk(int ts0, int last, int rows) const {
+    const int lane = threadIdx.x & 31;
+    const int n = ts0 + lane;
+    if (lane >= rows || n > last) return;
+    if constexpr (MODE == kPaged) {
+      const u32 page = pages[(n >> log2_bs) - page0];
+      const u32 r = static_cast<u32>(n) & ((1u << log2_bs) - 1u);
+      prefetch_l2(at(at(k, page, page_stride), r, D / 2));
+      prefetch_l2(at(at(v, page, page_stride), r, D / 2));
+      prefetch_l2(at(at(kn, page, page_stride), r, 4));
+      prefetch_l2(at(at(vn, page, page_stride), r, 4));
+    } else {
+      prefetch_l2(at(k, n, k_sn));
+      prefetch_l2(at(v, n, v_sn));
+      prefetch_l2(at(kn, n, kn_sn));
+      prefetch_l2(at(vn, n, vn_sn));
+    }
+  }
+};
+
+// Per-warp online-softmax state for the lane's two head columns (2t, 2t+1) plus the O^T accumulators.
+template <int D>
+struct WarpState {
+  float acc[Traits<D>::kMTiles][4];  // O^T: rows dims (D/8)g+2m (+1 for [2],[3]), cols heads 2t, 2t+1
+  float m[2];                        // running max (log2 domain), uniform over g
+  float l[2];                        // partial denominators over this lane's keys
+};
+
+// One warp iteration: kTiles tiles of 16 keys starting at ts0.
+template <int D, bool F16PV, int MODE>
+__device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&tiles)[Traits<D>::kTiles],
+                                              const u32 (&qf)[Traits<D>::kSteps][2], const Lut& lut_k,
+                                              const Lut& lut_v, int ts0, int end,
+                                              float scale_log2, int g) {
+  using T = Traits<D>;
+  float s[T::kTiles][4];
+#pragma unroll
+  for (int j = 0; j < T::kTiles; ++j) {
+    // Two accumulators (even / odd k-steps) halve the dependent mma chain.
+    float s_odd[4] = {0.f, 0.f, 0.f, 0.f};
+    s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < T::kSteps; ++kk) {
+      const u32 w0 = tiles[j].k[0][kk >> 1];
+      const u32 w1 = tiles[j].k[1][kk >> 1];
+      u32 a0, a1, a2, a3;
+      if (kk & 1) {
+        a0 = lut_k.get<2>(w0);
+        a1 = lut_k.get<2>(w1);
+        a2 = lut_k.get<3>(w0);
+        a3 = lut_k.get<3>(w1);
+      } else {
+        a0 = lut_k.get<0>(w0);
+        a1 = lut_k.get<0>(w1);
+        a2 = lut_k.get<1>(w0);
+        a3 = lut_k.get<1>(w1);
+      }
+      if (kk & 1) {
+        mma16816<true>(s_odd, a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
+      } else {
+        mma16816<true>(s[j], a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[j][i] += s_odd[i];
+    const float k0 = tiles[j].kn[0] * scale_log2, k1 = tiles[j].kn[1] * scale_log2;
+    s[j][0] *= k0;
+    s[j][1] *= k0;
+    s[j][2] *= k1;
+    s[j][3] *= k1;
+    if constexpr (MODE == kContiguousBias) {
+      const float b0 = tiles[j].bias[0] * kLog2e, b1 = tiles[j].bias[1] * kLog2e;
+      s[j][0] += b0;
+      s[j][1] += b0;
+      s[j][2] += b1;
+      s[j][3] += b1;
+    }
+  }
+  if (ts0 + T::kChunk > end) {  // only the last iteration of a split has keys past its end
+#pragma unroll
+    for (int j = 0; j < T::kTiles; ++j) {
+      if (ts0 + 16 * j + g >= end) s[j][0] = s[j][1] = -inf();
+      if (ts0 + 16 * j + g + 8 >= end) s[j][2] = s[j][3] = -inf();
+    }
+  }
+  float mx0 = -inf(), mx1 = -inf();
+#pragma unroll
+  for (int j = 0; j < T::kTiles; ++j) {
+    mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][2]));
+    mx1 = fmaxf(mx1, fmaxf(s[j][1], s[j][3]));
+  }
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+  }
+  const float mn0 = fmaxf(st.m[0], mx0), mn1 = fmaxf(st.m[1], mx1);
+  // A column that has seen only masked keys keeps max -inf; subtract 0 instead so no inf - inf appears.
+  const float mu0 = mn0 == -inf() ? 0.f : mn0, mu1 = mn1 == -inf() ? 0.f : mn1;
+  const float al0 = ex2(st.m[0] - mu0), al1 = ex2(st.m[1] - mu1);
+  st.m[0] = mn0;
+  st.m[1] = mn1;
+  st.l[0] *= al0;
+  st.l[1] *= al1;
+  // Once the running max has settled it rarely moves: skip the accumulator rescale when no lane needs it.
+  if (__any_sync(0xffffffffu, (al0 != 1.f) | (al1 != 1.f))) {
+#pragma unroll
+    for (int m = 0; m < T::kMTiles; ++m) {
+      st.acc[m][0] *= al0;
+      st.acc[m][1] *= al1;
+      st.acc[m][2] *= al0;
+      st.acc[m][3] *= al1;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < T::kTiles; ++j) {
+    const float p0 = ex2(s[j][0] - mu0), p1 = ex2(s[j][1] - mu1);
+    const float p2 = ex2(s[j][2] - mu0), p3 = ex2(s[j][3] - mu1);
+    st.l[0] += p0 + p2;
+    st.l[1] += p1 + p3;
+    const float v0 = tiles[j].vn[0], v1 = tiles[j].vn[1];
+    // P (keys x heads) rows g and g+8 -> P^T fragments (keys 2t,2t+1 / 2t+8,2t+9 of head g).
+    const u32 b0 = transpose8x8(pack2<F16PV>(p0 * v0, p1 * v0));
+    const u32 b1 = transpose8x8(pack2<F16PV>(p2 * v1, p3 * v1));
+    u32 xa[T::kVWords], ya[T::kVWords], xb[T::kVWords], yb[T::kVWords];
+#pragma unroll
+    for (int w = 0; w < T::kVWords; ++w) {
+      // byte i of x: high nibbles of keys (2t, 2t+1); of y: their low nibbles. Same for keys 2t+8, 2t+9.
+      xa[w] = (tiles[j].v[0][w] & 0xF0F0F0F0u) | ((tiles[j].v[1][w] >> 4) & 0x0F0F0F0Fu);
+      ya[w] = ((tiles[j].v[0][w] << 4) & 0xF0F0F0F0u) | (tiles[j].v[1][w] & 0x0F0F0F0Fu);
+      xb[w] = (tiles[j].v[2][w] & 0xF0F0F0F0u) | ((tiles[j].v[3][w] >> 4) & 0x0F0F0F0Fu);
+      yb[w] = ((tiles[j].v[2][w] << 4) & 0xF0F0F0F0u) | (tiles[j].v[3][w] & 0x0F0F0F0Fu);
+    }
+#pragma unroll
+    for (int m = 0; m < T::kMTiles; ++m) {
+      const int w = m >> 2;
+      u32 a0, a1, a2, a3;
+      switch (m & 3) {
+        case 0:
+          a0 = lut_v.get<0>(xa[w]), a1 = lut_v.get<0>(ya[w]);
+          a2 = lut_v.get<0>(xb[w]), a3 = lut_v.get<0>(yb[w]);
+          break;
+        case 1:
+          a0 = lut_v.get<1>(xa[w]), a1 = lut_v.get<1>(ya[w]);
+          a2 = lut_v.get<1>(xb[w]), a3 = lut_v.get<1>(yb[w]);
+          break;
+        case 2:
+          a0 = lut_v.get<2>(xa[w]), a1 = lut_v.get<2>(ya[w]);
+          a2 = lut_v.get<2>(xb[w]), a3 = lut_v.get<2>(yb[w]);
+          break;
+        default:
+          a0 = lut_v.get<3>(xa[w]), a1 = lut_v.get<3>(ya[w]);
+          a2 = lut_v.get<3>(xb[w]), a3 = lut_v.get<3>(yb[w]);
+          break;
+      }
+      mma16816<F16PV>(st.acc[m], a0, a1, a2, a3, b0, b1);
+    }
+  }
+}
+
+// Grid (splits, H_kv * head_groups, batch); block kThreads. Output row of query head hq of sequence b is
+// b * num_q_heads + hq; partial s of a row lives at part_out[(s * rows + row) * D], part_lse[s * rows + row].
+template <int D, int QK, int MODE>
+__global__ void __launch_bounds__(kThreads, Traits<D>::kMinBlocks)
+tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, long long q_sd,
+                 const unsigned char* __restrict__ k_idx, long long k_sb, long long k_sh, long long k_sn,
+                 const float* __restrict__ k_nrm, long long kn_sb, long long kn_sh, long long kn_sn,
+                 const unsigned char* __restrict__ v_idx, long long v_sb, long long v_sh, long long v_sn,
+                 const float* __restrict__ v_nrm, long long vn_sb, long long vn_sh, long long vn_sn,
+                 const float* __restrict__ key_bias, long long bias_sb, long long bias_sn,
+                 const int* __restrict__ block_table, long long bt_sb, const int* __restrict__ seq_lens,
+                 long long page_stride, int log2_bs, int num_keys,
+                 const float* __restrict__ k_cent, const float* __restrict__ v_cent, float scale_log2,
+                 int num_q_heads, int group, int split_len, float* __restrict__ part_out,
+                 float* __restrict__ part_lse, int rows, int prefetch) {
+  using T = Traits<D>;
+  // S^T = K Q^T always runs in fp16 (3 more mantissa bits than bf16 for the key centroids; queries are scaled
+  // by a power of two into fp16 range). P V runs in fp16 for fp16 queries and in bf16 (range-safe for large
+  // value norms) otherwise.
+  constexpr bool F16PV = QK == kQHalf;
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int split = blockIdx.x;
+  const int head_groups = (group + 7) >> 3;
+  const int h = blockIdx.y / head_groups;
+  const int hg = blockIdx.y - h * head_groups;
+  const int b = blockIdx.z;
+  const int nh = min(8, group - hg * 8);  // query heads served by this CTA
+  const int hq0 = h * group + hg * 8;
+  const int len = MODE == kPaged ? seq_lens[b] : num_keys;
+  const int s0 = split * split_len;
+  const int s1 = min(s0 + split_len, len);
+  const int tid = threadIdx.x;
+
+  if (s0 >= s1) {  // empty split: contributes nothing to the merge
+    for (int i = tid; i < nh * D; i += kThreads) {
+      const int hh = i / D, d = i - hh * D;
+      const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + hh;
+      part_out[row * D + d] = 0.f;
+      if (d == 0) part_lse[row] = -inf();
+    }
+    return;
+  }
+
+  // Byte -> centroid-pair tables for K (fp16) and V (PV type), replicated per lane (16-byte stores fill 4
+  // lanes' copies).
+  for (int i = tid; i < 2 * 256 * 8; i += kThreads) {
+    const int tab = i >> 11, e = (i >> 3) & 255, grp = i & 7;
+    const u32 val = tab ? pack2<F16PV>(v_cent[e >> 4], v_cent[e & 15]) : pack2<true>(k_cent[e >> 4], k_cent[e & 15]);
+    *reinterpret_cast<uint4*>(smem + tab * kLutBytes + e * 128 + grp * 16) = make_uint4(val, val, val, val);
+  }
+
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  KVAddress<D, MODE> kv;
+  if constexpr (MODE == kPaged) {
+    int* pages = reinterpret_cast<int*>(smem + kPagesOffset);
+    const int page0 = s0 >> log2_bs;
+    const int npages = ((s1 - 1) >> log2_bs) - page0 + 1;
+    for (int i = tid; i < npages; i += kThreads) pages[i] = block_table[b * bt_sb + page0 + i];
+    const long long bs = 1ll << log2_bs;
+    const unsigned char* head = k_idx + h * (bs * (D + 8));
+    kv.k = head + t * T::kKBytes;
+    kv.kn = head + bs * (D / 2);
+    kv.v = head + bs * (D / 2 + 4) + g * T::kVBytes;
+    kv.vn = head + bs * (D + 4);
+    kv.pages = pages;
+    kv.page0 = page0;
+    kv.log2_bs = log2_bs;
+    kv.page_stride = static_cast<u32>(page_stride);
+  } else {
+    kv.k = k_idx + b * k_sb + h * k_sh + t * T::kKBytes;
+    kv.v = v_idx + b * v_sb + h * v_sh + g * T::kVBytes;
+    kv.kn = reinterpret_cast<const unsigned char*>(k_nrm + b * kn_sb + h * kn_sh);
+    kv.vn = reinterpret_cast<const unsigned char*>(v_nrm + b * vn_sb + h * vn_sh);
+    kv.k_sn = static_cast<u32>(k_sn);
+    kv.v_sn = static_cast<u32>(v_sn);
+    kv.kn_sn = static_cast<u32>(kn_sn * 4);
+    kv.vn_sn = static_cast<u32>(vn_sn * 4);
+    if constexpr (MODE == kContiguousBias) {
+      kv.bias = reinterpret_cast<const unsigned char*>(key_bias + b * bias_sb);
+      kv.bias_sn = static_cast<u32>(bias_sn * 4);
+    }
+  }
+
+
+  // Q^T fragments: head g of this group, dims t*D/4 + 4kk + {0,1} and {2,3}; missing heads are zero. The
+  // queries are multiplied by 2^-e so that their largest magnitude lies in [2^14, 2^15) (exact; fp16 range and
+  // full fp16 precision for any input scale); 2^e goes back into the score scale.
+  u32 qf[T::kSteps][2];
+  {
+    const bool valid = g < nh;
+    const long long base = static_cast<long long>(b) * q_sb + static_cast<long long>(hq0 + (valid ? g : 0)) * q_sh;
+    float x[T::kSteps][4];
+    float amax = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < T::kSteps; ++kk) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int d = t * (D / 4) + 4 * kk + i;
+        x[kk][i] = valid ? load_query<QK>(q, base + d * q_sd) : 0.f;
+        amax = fmaxf(amax, fabsf(x[kk][i]));
+      }
+    }
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const int biased = static_cast<int>((__float_as_uint(amax) >> 23) & 0xFFu);
+    const int e = biased == 0 ? 0 : max(-120, min(120, biased - 127 - 14));
+    const float down = __uint_as_float(static_cast<u32>(127 - e) << 23);  // 2^-e
+    scale_log2 *= __uint_as_float(static_cast<u32>(127 + e) << 23);      // 2^e
+#pragma unroll
+    for (int kk = 0; kk < T::kSteps; ++kk) {
+      qf[kk][0] = pack2<true>(x[kk][0] * down, x[kk][1] * down);
+      qf[kk][1] = pack2<true>(x[kk][2] * down, x[kk][3] * down);
+    }
+  }
+
+  WarpState<D> st;
+#pragma unroll
+  for (int m = 0; m < T::kMTiles; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
+  st.m[0] = st.m[1] = -inf();
+  st.l[0] = st.l[1] = 0.f;
+
+  __syncthreads();  // tables and pages are ready
+
+  const Lut lut_k(smem, lane, blockDim.x);
+  const Lut lut_v(smem + kLutBytes, lane, blockDim.x);
+  const int last = s1 - 1;
+  const int nchunks = (s1 - s0 + T::kChunk - 1) / T::kChunk;
+  Tile<D> bufa[T::kTiles], bufb[T::kTiles];
+
+  // Warps take chunks round-robin. Chunk c + kWarps is loaded into registers while chunk c is computed, and
+  // chunk c + (1 + prefetch) * kWarps is prefetched into L2, which keeps several chunks per warp in flight
+  // towards HBM without holding registers for them. Unrolled twice so the two register buffers swap roles
+  // without copies.
+  int c = warp;
+  for (int i = 1; i <= prefetch; ++i) {
+    const int cp = c + i * kWarps;
+    if (cp < nchunks) kv.prefetch_chunk(s0 + cp * T::kChunk, last, T::kChunk);
+  }
+  if (c < nchunks) {
+#pragma unroll
+    for (int j = 0; j < T::kTiles; ++j) kv.load(bufa[j], s0 + c * T::kChunk + 16 * j, last);
+  }
+  while (c < nchunks) {
+    int cn = c + kWarps;
+    if (cn < nchunks) {
+#pragma unroll
+      for (int j = 0; j < T::kTiles; ++j) kv.load(bufb[j], s0 + cn * T::kChunk + 16 * j, last);
+    }
+    int cp = c + (prefetch + 1) * kWarps;
+    if (prefetch > 0 && cp < nchunks) kv.prefetch_chunk(s0 + cp * T::kChunk, last, T::kChunk);
+    process_chunk<D, F16PV, MODE>(st, bufa, qf, lut_k, lut_v, s0 + c * T::kChunk, s1, scale_log2, g);
+    c = cn;
+    if (c >= nchunks) break;
+    cn = c + kWarps;
+    if (cn < nchunks) {
+#pragma unroll
+      for (int j = 0; j < T::kTiles; ++j) kv.load(bufa[j], s0 + cn * T::kChunk + 16 * j, last);
+    }
+    cp = c + (prefetch + 1) * kWarps;
+    if (prefetch > 0 && cp < nchunks) kv.prefetch_chunk(s0 + cp * T::kChunk, last, T::kChunk);
+    process_chunk<D, F16PV, MODE>(st, bufb, qf, lut_k, lut_v, s0 + c * T::kChunk, s1, scale_log2, g);
+    c = cn;
+  }
+
+  // Denominators: sum the lane partials over the 8 lanes of each head column.
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    st.l[0] += __shfl_xor_sync(0xffffffffu, st.l[0], off);
+    st.l[1] += __shfl_xor_sync(0xffffffffu, st.l[1], off);
+  }
+
+  // Merge the 4 warps through shared memory (the tables are dead now).
+  __syncthreads();
+  float* red_acc = reinterpret_cast<float*>(smem);            // [kWarps][8][D]
+  float* red_m = red_acc + kWarps * 8 * D;                    // [kWarps][8]
+  float* red_l = red_m + kWarps * 8;                          // [kWarps][8]
+  {
+    float* a0 = red_acc + (warp * 8 + 2 * t) * D + (D / 8) * g;
+    float* a1 = a0 + D;
+#pragma unroll
+    for (int m = 0; m < T::kMTiles; ++m) {
+      *reinterpret_cast<float2*>(a0 + 2 * m) = make_float2(st.acc[m][0], st.acc[m][2]);
+      *reinterpret_cast<float2*>(a1 + 2 * m) = make_float2(st.acc[m][1], st.acc[m][3]);
+    }
+    if (g == 0) {
+      red_m[warp * 8 + 2 * t] = st.m[0];
+      red_m[warp * 8 + 2 * t + 1] = st.m[1];
+      red_l[warp * 8 + 2 * t] = st.l[0];
+      red_l[warp * 8 + 2 * t + 1] = st.l[1];
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < nh * D; i += kThreads) {
+    const int hh = i / D, d = i - hh * D;
+    float mx = -inf();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_m[w * 8 + hh]);
+    float o = 0.f, lsum = 0.f;
+    if (mx != -inf()) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float wt = ex2(red_m[w * 8 + hh] - mx);
+        lsum += wt * red_l[w * 8 + hh];
+        o += wt * red_acc[(w * 8 + hh) * D + d];
+      }
+      o /= lsum;
+    }
+    const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + hh;
+    part_out[row * D + d] = o;
+    if (d == 0) part_lse[row] = mx == -inf() ? -inf() : (mx + lg2(lsum)) * kLn2;
+  }
+}
+
+}  // namespace fqd

@@ -1,0 +1,120 @@
+// Log-sum-exp merge of S partial attention results over disjoint key sets (split-K decode, exact-window merge).
+//
+//   outs [S, rows, D] fp32, each normalised by its own softmax sum; lses [S, rows] fp32, natural log, -inf for a
+//   split that saw no key.  out[r] = sum_s w_s outs[s, r] / sum_s w_s with w_s = exp(lse_s - max_s lse_s);
+//   lse[r] = max + log(sum_s w_s), or -inf (and out 0) when every split is empty.
+//
+// One warp per row; each lane owns D/32 consecutive floats (vector loads), so a row costs S coalesced reads.
+// D = 0 selects a generic loop over any head_dim.
+
+namespace fqr {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kRowsPerBlock = 8;
+
+// NVRTC has no <math.h>: +inf from its bit pattern.
+__device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float lg2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <int N>
+struct Vec {
+  float x[N];
+};
+
+template <int N>
+__device__ __forceinline__ void load_vec(Vec<N>& v, const float* p) {
+  if constexpr (N == 2) {
+    const float2 a = *reinterpret_cast<const float2*>(p);
+    v.x[0] = a.x, v.x[1] = a.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 a = *reinterpret_cast<const float4*>(p + i);
+      v.x[i] = a.x, v.x[i + 1] = a.y, v.x[i + 2] = a.z, v.x[i + 3] = a.w;
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void store_vec(float* p, const Vec<N>& v) {
+  if constexpr (N == 2) {
+    *reinterpret_cast<float2*>(p) = make_float2(v.x[0], v.x[1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      *reinterpret_cast<float4*>(p + i) = make_float4(v.x[i], v.x[i + 1], v.x[i + 2], v.x[i + 3]);
+    }
+  }
+}
+
+// outs element (s, r, d) at outs[s * o_ss + r * o_sr + d]; lses (s, r) at lses[s * l_ss + r * l_sr];
+// out [rows, head_dim] and lse [rows] contiguous.
+template <int D>
+__global__ void __launch_bounds__(32 * kRowsPerBlock)
+split_k_merge(const float* __restrict__ outs, long long o_ss, long long o_sr, const float* __restrict__ lses,
+              long long l_ss, long long l_sr, float* __restrict__ out, float* __restrict__ lse, int num_splits,
+              int rows, int head_dim) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const float* l_row = lses + row * l_sr;
+  float mx = -inf();
+  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, l_row[s * l_ss]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  const float* o_row = outs + row * o_sr;
+  float* dst = out + static_cast<long long>(row) * head_dim;
+  if (mx == -inf()) {  // every split empty: out 0, lse -inf (and no NaN from -inf - -inf)
+    for (int d = lane; d < head_dim; d += 32) dst[d] = 0.f;
+    if (lane == 0) lse[row] = -inf();
+    return;
+  }
+  const float mx2 = mx * kLog2e;
+  float total = 0.f;
+  if constexpr (D > 0) {
+    static_assert(D == 64 || D == 128 || D == 256, "vector path: D in {64, 128, 256}");
+    constexpr int N = D / 32;
+    Vec<N> acc;
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc.x[i] = 0.f;
+    for (int s = 0; s < num_splits; ++s) {
+      const float w = ex2(fmaf(l_row[s * l_ss], kLog2e, -mx2));
+      total += w;
+      if (w == 0.f) continue;  // empty split (or negligible): skip its row
+      Vec<N> v;
+      load_vec(v, o_row + s * o_ss + lane * N);
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc.x[i] = fmaf(w, v.x[i], acc.x[i]);
+    }
+    const float inv = 1.f / total;
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc.x[i] *= inv;
+    store_vec(dst + lane * N, acc);
+  } else {
+    for (int s = 0; s < num_splits; ++s) total += ex2(fmaf(l_row[s * l_ss], kLog2e, -mx2));
+    const float inv = 1.f / total;
+    for (int d = lane; d < head_dim; d += 32) {
+      float acc = 0.f;
+      for (int s = 0; s < num_splits; ++s) {
+        const float w = ex2(fmaf(l_row[s * l_ss], kLog2e, -mx2));
+        if (w != 0.f) acc = fmaf(w, o_row[s * o_ss + d], acc);
+      }
+      dst[d] = acc * inv;
+    }
+  }
+  if (lane == 0) lse[row] = mx + lg2(total) * kLn2;
+}
+
+}  // namespace fqr

@@ -1,0 +1,173 @@
+"""TurboQuantConfig: every knob of the compressed KV cache, from arguments or ``FLASHQUANT_*`` variables.
+
+Resolution order for each field: an explicit argument, else its environment variable, else the default.
+The defaults are the best settings measured so far (SmolLM2-135M, decode-faithful perplexity: TQ4 with a
+128-token exact window and norm correction cost +0.5%, plain TQ4 with no window +7.5%).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .backend import BACKENDS
+from .codebook import SUPPORTED_BITS
+from .rotation import ROTATIONS
+
+ENV_PREFIX = "FLASHQUANT_"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse_int(text: str) -> int:
+    return int(text.strip())
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"expected one of {_TRUE + _FALSE}")
+
+
+def _parse_str(text: str) -> str:
+    return text.strip().lower()
+
+
+@dataclass(frozen=True)
+class TurboQuantConfig:
+    """Settings of a :class:`~flashquant_hf.TurboQuantCache`.
+
+    Every field left as ``None`` is read from its ``FLASHQUANT_<FIELD>`` environment variable (e.g.
+    ``FLASHQUANT_BITS=3``), else takes the default below. After construction every field holds a concrete value.
+
+    Parameters
+    ----------
+    bits : bits per coordinate for keys and values (1..4; default 4)
+    key_bits, value_bits : per-tensor overrides of ``bits`` (default: ``bits``)
+    residual_length : the newest tokens kept exact in the model dtype (default 128); 0 compresses every token
+        before it is attended
+    sink_tokens : the first tokens of the sequence kept exact forever (default 0)
+    key_centering, value_centering : subtract a per-sequence, per-head, per-channel mean (computed on the first
+        prefill) before compressing; exact for attention (default False)
+    norm_correction : store ``||x|| / ||centroids[idx]||`` so reconstructions keep the exact norm (default True)
+    rotation : ``"haar"`` (dense random orthogonal) or ``"hadamard"`` (randomized Hadamard; power-of-two head_dim)
+    seed : rotation seed; keys use ``2 * seed``, values ``2 * seed + 1`` (default 0)
+    backend : ``"auto"``, ``"cuda"`` or ``"torch"`` (default: ``FLASHQUANT_BACKEND``, else ``auto``)
+
+    >>> TurboQuantConfig(bits=3).key_bits
+    3
+    >>> TurboQuantConfig(key_bits=4, value_bits=2).bits
+    4
+    """
+
+    bits: int | None = None
+    key_bits: int | None = None
+    value_bits: int | None = None
+    residual_length: int | None = None
+    sink_tokens: int | None = None
+    key_centering: bool | None = None
+    value_centering: bool | None = None
+    norm_correction: bool | None = None
+    rotation: str | None = None
+    seed: int | None = None
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in dataclasses.fields(self)]
+        from_env = {name for name in names if getattr(self, name) is None and os.environ.get(env_var(name), "").strip()}
+        resolved = {name: _resolve(name, getattr(self, name)) for name in names}
+        resolved["key_bits"] = resolved["key_bits"] if resolved["key_bits"] is not None else resolved["bits"]
+        resolved["value_bits"] = resolved["value_bits"] if resolved["value_bits"] is not None else resolved["bits"]
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+        problem = self._first_problem()
+        if problem is not None:
+            name, expected = problem
+            source = f" (from the environment variable `{env_var(name)}`)" if name in from_env else ""
+            raise ValueError(f"`{name}` must be {expected}, got {getattr(self, name)!r}{source}")
+
+    def _first_problem(self) -> tuple[str, str] | None:
+        """(field, what it must be) of the first invalid field, or None."""
+        for name in ("bits", "key_bits", "value_bits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in SUPPORTED_BITS:
+                return name, f"one of {SUPPORTED_BITS}"
+        for name in ("residual_length", "sink_tokens", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                return name, "an integer >= 0"
+        for name in ("key_centering", "value_centering", "norm_correction"):
+            if not isinstance(getattr(self, name), bool):
+                return name, "True or False"
+        if self.rotation not in ROTATIONS:
+            return "rotation", f"one of {ROTATIONS}"
+        if self.backend not in BACKENDS:
+            return "backend", f"one of {BACKENDS}"
+        return None
+
+    @property
+    def key_seed(self) -> int:
+        """Seed of the key rotation."""
+        return 2 * self.seed
+
+    @property
+    def value_seed(self) -> int:
+        """Seed of the value rotation."""
+        return 2 * self.seed + 1
+
+    def replace(self, **overrides: Any) -> "TurboQuantConfig":
+        """A copy with ``overrides`` applied (unknown names raise TypeError)."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"unknown TurboQuantConfig field(s) {unknown}; fields are {field_names()}")
+        values = dataclasses.asdict(self)
+        # key/value bits follow a new `bits` unless they are overridden too.
+        if "bits" in overrides:
+            values["key_bits"] = values["value_bits"] = None
+        values.update(overrides)
+        return TurboQuantConfig(**values)
+
+
+# name -> (parser, default). `None` defaults are derived in __post_init__.
+_FIELDS: dict[str, tuple[Callable[[str], Any], Any]] = {
+    "bits": (_parse_int, 4),
+    "key_bits": (_parse_int, None),
+    "value_bits": (_parse_int, None),
+    "residual_length": (_parse_int, 128),
+    "sink_tokens": (_parse_int, 0),
+    "key_centering": (_parse_bool, False),
+    "value_centering": (_parse_bool, False),
+    "norm_correction": (_parse_bool, True),
+    "rotation": (_parse_str, "haar"),
+    "seed": (_parse_int, 0),
+    "backend": (_parse_str, "auto"),
+}
+
+
+def env_var(name: str) -> str:
+    """The environment variable that sets field ``name`` (``bits`` -> ``FLASHQUANT_BITS``)."""
+    return ENV_PREFIX + name.upper()
+
+
+def field_names() -> list[str]:
+    """Names of the TurboQuantConfig fields, in declaration order."""
+    return [f.name for f in dataclasses.fields(TurboQuantConfig)]
+
+
+def _resolve(name: str, value: Any) -> Any:
+    if value is not None:
+        return value
+    parse, default = _FIELDS[name]
+    text = os.environ.get(env_var(name))
+    if text is None or not text.strip():
+        return default
+    try:
+        return parse(text)
+    except ValueError as error:
+        raise ValueError(f"environment variable `{env_var(name)}`={text!r} is invalid: {error}") from None

@@ -1,0 +1,126 @@
+"""Reporting of evaluation rows: a text table, a JSON file and a matplotlib PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .errors import EvalInputError
+
+COLUMNS = ("name", "perplexity", "delta %", "KV bytes", "compression", "tokens/s")
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.50 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _ppl_cell(row: dict[str, Any]) -> str:
+    if len(row.get("ppl_per_seed", [])) > 1:
+        return f"{row['ppl']:.4f} ± {row['ppl_std']:.4f}"
+    return f"{row['ppl']:.4f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A fixed-width table: name, perplexity (± std over seeds), delta % vs dynamic, KV bytes, compression, tok/s."""
+    cells = [
+        [
+            row["name"],
+            _ppl_cell(row),
+            f"{row['delta_pct']:+.2f}%",
+            human_bytes(row["kv_bytes"]),
+            f"{row['compression']:.2f}x" if math.isfinite(row["compression"]) else "n/a",
+            f"{row['tokens_per_s']:.1f}",
+        ]
+        for row in rows
+    ]
+    widths = [max(len(COLUMNS[i]), *(len(c[i]) for c in cells)) for i in range(len(COLUMNS))]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(COLUMNS, widths)))]
+    lines.append("  ".join("-" * w for w in widths))
+    for c in cells:
+        lines.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
+    return "\n".join(lines)
+
+
+def format_markdown(rows: list[dict[str, Any]]) -> str:
+    """The same table as GitHub markdown (for docs)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
+    for row in rows:
+        compression = f"{row['compression']:.2f}x" if math.isfinite(row["compression"]) else "n/a"
+        lines.append(
+            f"| {row['name']} | {_ppl_cell(row)} | {row['delta_pct']:+.2f}% | {human_bytes(row['kv_bytes'])} "
+            f"| {compression} | {row['tokens_per_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def payload(model: str, text: str, prefix: int, tokens: int, rows: list[dict[str, Any]], **extra: Any) -> dict:
+    """The JSON document: ``{"model", "text", "prefix", "tokens", "results": [...], **extra}``."""
+    return {"model": model, "text": text, "prefix": prefix, "tokens": tokens, **extra, "results": rows}
+
+
+def _finite(value: Any) -> Any:
+    # Strict JSON has no NaN/Infinity: a metric that could not be measured becomes null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, (str, int, bool, type(None), float)):
+        return value
+    return str(value)
+
+
+def write_json(path: str | Path, document: dict[str, Any]) -> Path:
+    """Write ``document`` as indented JSON (NaN becomes null); EvalInputError when the path is not writable."""
+    path = Path(path)
+    clean = _finite(document)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(clean, indent=2, allow_nan=False) + "\n")
+    except OSError as err:
+        raise EvalInputError(f"`--json` {str(path)!r} could not be written: {err.strerror or err}") from None
+    return path
+
+
+def save_plot(path: str | Path, rows: list[dict[str, Any]], title: str = "") -> Path:
+    """A PNG: perplexity per cache (error bars = spread over seeds), labelled with compression and delta %.
+
+    Uses matplotlib's object API with the Agg canvas, so no display or pyplot state is touched.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise EvalInputError("`--plot` needs matplotlib: pip install 'flashquant-hf[eval]'") from None
+    path = Path(path)
+    names = [row["name"] for row in rows]
+    ppls = [row["ppl"] for row in rows]
+    spread = [row.get("ppl_std", 0.0) for row in rows]
+    fig = Figure(figsize=(max(5.0, 1.2 * len(rows) + 2), 4.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colors = ["#777777"] + ["#1f77b4"] * (len(rows) - 1)
+    bars = ax.bar(names, ppls, yerr=spread, color=colors, capsize=4)
+    ax.axhline(ppls[0], color="#777777", linestyle="--", linewidth=1)
+    for bar, row in zip(bars, rows):
+        label = "baseline" if row["name"] == "dynamic" else f"{row['delta_pct']:+.1f}%\n{row['compression']:.2f}x"
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                    xytext=(0, 6), textcoords="offset points", fontsize=8)
+    ax.set_ylabel("decode-faithful perplexity")
+    ax.set_ylim(0, max(ppls) * 1.25)
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(axis="x", labelrotation=20)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    except OSError as err:
+        raise EvalInputError(f"`--plot` {str(path)!r} could not be written: {err.strerror or err}") from None
+    return path

@@ -1,0 +1,298 @@
+"""CUDA ``compress`` (``cuda/compress.cu``): norm + rotation + bucketize + bit packing in one launch.
+
+Same signature and results as :func:`flashquant_hf.reference.compress.compress`, except that an index may
+differ where a rotated coordinate lies within float rounding (~1e-7) of a boundary. With ``hadamard_signs``
+the rotation runs as a fast Walsh-Hadamard transform (the kernel then trusts that ``rotation`` equals
+``H diag(s) / sqrt(D)``); otherwise ``rotation`` is used as a dense fp32 matrix.
+
+Head dims and bit widths outside :data:`HEAD_DIMS` x :data:`BITS` fall back to the PyTorch reference on the
+same device (logged once). Importing this module does not import CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..codebook import SUPPORTED_BITS
+from ..packing import packed_size
+from . import loader
+
+logger = logging.getLogger(__name__)
+
+CUDA_SOURCE = "compress.cu"
+
+# The one table of supported specialisations; decompress.py builds its instantiations from it too.
+HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+BITS: tuple[int, ...] = (2, 3, 4)
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float16: "__half",
+    torch.bfloat16: "__nv_bfloat16",
+    torch.float32: "float",
+}
+SUPPORTED: tuple[tuple[int, int, torch.dtype], ...] = tuple(itertools.product(HEAD_DIMS, BITS, DTYPE_NAMES))
+ROTATION_PATHS: tuple[str, ...] = ("hadamard", "dense")
+
+
+def kernel_name(path: str, head_dim: int, bits: int, dtype: torch.dtype) -> str:
+    """Name expression of one compress instantiation, e.g. ``tq_compress_hadamard<128, 4, __nv_bfloat16>``."""
+    return f"tq_compress_{path}<{head_dim}, {bits}, {DTYPE_NAMES[dtype]}>"
+
+
+NAME_EXPRESSIONS: tuple[str, ...] = tuple(
+    kernel_name(path, d, b, t) for path in ROTATION_PATHS for d, b, t in SUPPORTED
+)
+
+THREADS = 256
+
+
+def hadamard_lanes(head_dim: int, dtype: torch.dtype) -> int:
+    """Threads per row of ``tq_compress_hadamard`` (cuda/compress.cu ``hadamard_lanes``): 16 coordinates per
+    thread, 32 for 16-bit inputs at head_dim 128 (measured faster there)."""
+    if head_dim == 128 and dtype != torch.float32:
+        return 4
+    return {64: 4, 128: 8, 256: 16}[head_dim]
+
+
+# Dense kernel: rows per tile, dynamic shared memory, and CTAs that fit on one SM (registers / shared memory).
+_DENSE_ROWS = {64: 128, 128: 64, 256: 64}
+_DENSE_CTAS_PER_SM = {64: 2, 128: 2, 256: 1}
+# Persistent grids: enough CTAs per SM that the last wave is short.
+_WAVES = 16
+
+
+def dense_smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of ``tq_compress_dense<head_dim, ...>`` (rotation rows + staged input tile)."""
+    ncol = min(head_dim, 128)
+    rows = _DENSE_ROWS[head_dim]
+    return (ncol * head_dim + head_dim * rows + 2 * rows + THREADS) * 4
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Multiprocessors of a CUDA device (cached)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_index(device: torch.device) -> int:
+    """Index of a CUDA device (the current one when ``device`` has none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def fast_divider(divisor: int) -> tuple[np.uint32, np.uint32, np.uint32]:
+    """(divisor, magic, shift) with ``n // divisor == (umulhi(n, magic) + n) >> shift`` for 0 <= n < 2^31.
+
+    The round-up multiply-high division of Granlund and Montgomery (as in PyTorch's IntDivider); the kernels
+    use it to split a row index into its leading-dimension indices without hardware division.
+    """
+    if not 1 <= divisor < 2**31:
+        raise ValueError(f"a leading dimension must be in [1, 2^31), got {divisor}")
+    shift = max(0, (divisor - 1).bit_length())
+    magic = ((1 << 32) * ((1 << shift) - divisor)) // divisor + 1
+    return np.uint32(divisor), np.uint32(magic), np.uint32(shift)
+
+
+def collapse_rows(shape: Sequence[int], *strides: Sequence[int], max_dims: int = 3) -> tuple[list[int], list[list[int]]] | None:
+    """Collapse leading dimensions that several tensors traverse alike.
+
+    ``shape`` are the leading sizes shared by the tensors, ``strides`` one list of element strides per tensor.
+    Returns ``(sizes, strides_per_tensor)`` with exactly ``max_dims`` entries each (outer ones padded with size 1),
+    or None when more than ``max_dims`` dimensions remain.
+    """
+    merged: list[tuple[int, list[int]]] = []
+    for i, size in enumerate(shape):
+        if size == 1:
+            continue
+        st = [s[i] for s in strides]
+        if merged and all(prev == cur * size for prev, cur in zip(merged[-1][1], st)):
+            merged[-1] = (merged[-1][0] * size, st)
+        else:
+            merged.append((size, st))
+    if len(merged) > max_dims:
+        return None
+    merged = [(1, [0] * len(strides))] * (max_dims - len(merged)) + merged
+    return [m[0] for m in merged], [[m[1][k] for m in merged] for k in range(len(strides))]
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    device: torch.device | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    shape: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Raise a TypeError/ValueError naming ``name`` unless ``t`` is a CUDA tensor on ``device`` with ``dtypes``/``shape``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_cuda:
+        raise ValueError(f"`{name}` must be a CUDA tensor for the CUDA kernel, got a tensor on {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"`{name}` must be on {device} (like the input), got {t.device}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"`{name}` must have dtype {allowed}; got {str(t.dtype).replace('torch.', '')}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"`{name}` must have shape {list(shape)}, got {list(t.shape)}")
+    return t
+
+
+def check_bits(bits: object) -> int:
+    """``bits`` as an int in the codebook's supported set, else ValueError."""
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in SUPPORTED_BITS:
+        raise ValueError(f"`bits` must be one of {SUPPORTED_BITS}, got {bits!r}")
+    return int(bits)
+
+
+def aligned_rows(t: torch.Tensor, alignment: int) -> torch.Tensor:
+    """``t`` itself when its data pointer and every leading stride (in bytes) are multiples of ``alignment``,
+    else a fresh contiguous copy (which is 256-byte aligned)."""
+    size = t.element_size()
+    ok = t.data_ptr() % alignment == 0 and all(
+        (stride * size) % alignment == 0 for stride, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1
+    )
+    if ok and t.stride(-1) == 1:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+_fallback_warned: set[tuple[str, int, int]] = set()
+
+
+def warn_fallback(op: str, head_dim: int, bits: int) -> None:
+    """Log once per (op, head_dim, bits) that the PyTorch reference runs instead of a kernel."""
+    key = (op, head_dim, bits)
+    if key not in _fallback_warned:
+        _fallback_warned.add(key)
+        logger.warning(
+            "flashquant-hf has no CUDA `%s` kernel for head_dim=%d, bits=%d (kernels: head_dim %s, bits %s); "
+            "using the PyTorch reference", op, head_dim, bits, HEAD_DIMS, BITS,
+        )
+
+
+def _check_compress_inputs(
+    x: object,
+    rotation: object,
+    boundaries: object,
+    bits: object,
+    centroids: object,
+    norm_correction: bool,
+    hadamard_signs: object,
+) -> int:
+    check_tensor("x", x, dtypes=tuple(DTYPE_NAMES))
+    assert isinstance(x, torch.Tensor)
+    if x.dim() < 1:
+        raise ValueError("`x` must have at least one dimension [..., head_dim], got a scalar")
+    head_dim = x.shape[-1]
+    bits = check_bits(bits)
+    check_tensor("rotation", rotation, x.device, (torch.float32,), (head_dim, head_dim))
+    check_tensor("boundaries", boundaries, x.device, (torch.float32,), ((1 << bits) - 1,))
+    if norm_correction and centroids is None:
+        raise ValueError("`centroids` are required when `norm_correction` is True")
+    if centroids is not None:
+        check_tensor("centroids", centroids, x.device, (torch.float32,), (1 << bits,))
+    if hadamard_signs is not None:
+        check_tensor("hadamard_signs", hadamard_signs, x.device, (torch.float32,), (head_dim,))
+    if x.numel() // max(head_dim, 1) >= 2**31 - 2**20:
+        raise ValueError(f"`x` has {x.numel() // head_dim} rows; the kernel takes fewer than 2^31 - 2^20")
+    return bits
+
+
+def compress(
+    x: torch.Tensor,
+    rotation: torch.Tensor,
+    boundaries: torch.Tensor,
+    bits: int,
+    centroids: torch.Tensor | None = None,
+    norm_correction: bool = False,
+    hadamard_signs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress head vectors on the GPU (see :func:`flashquant_hf.reference.compress.compress`).
+
+    Parameters
+    ----------
+    x : shape [..., D], fp16/bf16/fp32 CUDA tensor; any strides with a contiguous last dimension
+    rotation : shape [D, D] fp32, rows rotate as ``x @ rotation.T``
+    boundaries : shape [2^bits - 1] fp32, sorted
+    bits : 2, 3 or 4 (1 runs the reference)
+    centroids : shape [2^bits] fp32; required for ``norm_correction``
+    norm_correction : store ``||x|| / ||centroids[idx]||``
+    hadamard_signs : shape [D] fp32, the signs ``s`` of ``rotation = H diag(s) / sqrt(D)``: selects the fast
+        Walsh-Hadamard path
+
+    Returns
+    -------
+    packed : uint8 shape [..., ceil(D*bits/8)]; norms : fp32 shape [...]
+
+    >>> packed, norms = compress(x, pi, boundaries, 4)  # doctest: +SKIP
+    """
+    bits = _check_compress_inputs(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs)
+    head_dim = x.shape[-1]
+    if head_dim not in HEAD_DIMS or bits not in BITS:
+        from ..reference.compress import compress as reference_compress
+
+        warn_fallback("compress", head_dim, bits)
+        return reference_compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs)
+
+    lead = tuple(x.shape[:-1])
+    packed = torch.empty(lead + (packed_size(head_dim, bits),), dtype=torch.uint8, device=x.device)
+    norms = torch.empty(lead, dtype=torch.float32, device=x.device)
+    rows = packed.numel() // packed.shape[-1]
+    if rows == 0:
+        return packed, norms
+    launch_compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs, packed, norms)
+    return packed, norms
+
+
+def launch_compress(
+    x: torch.Tensor,
+    rotation: torch.Tensor,
+    boundaries: torch.Tensor,
+    bits: int,
+    centroids: torch.Tensor | None,
+    norm_correction: bool,
+    hadamard_signs: torch.Tensor | None,
+    packed: torch.Tensor,
+    norms: torch.Tensor,
+    options: Sequence[str] = (),
+    hadamard_lanes_override: int | None = None,
+) -> None:
+    """Launch the compress kernel into preallocated contiguous ``packed``/``norms`` (no validation).
+
+    ``options`` are extra NVRTC options (benchmarks compile variants, e.g. ``-DFQ_HADAMARD_LANES_128=16``;
+    pass the matching ``hadamard_lanes_override`` so the grid matches).
+    """
+    head_dim = x.shape[-1]
+    x = aligned_rows(x, 16)
+    layout = collapse_rows(x.shape[:-1], x.stride()[:-1])
+    if layout is None:
+        x = x.contiguous()
+        layout = collapse_rows(x.shape[:-1], x.stride()[:-1])
+    assert layout is not None
+    sizes, (strides,) = layout
+    rows = packed.numel() // packed.shape[-1]
+    device = x.device
+    index = device_index(device)
+    centroids_arg = centroids if centroids is not None else boundaries  # never read without norm correction
+    if not rotation.is_contiguous() or rotation.data_ptr() % 16:  # the dense kernel reads Pi as float4
+        rotation = rotation.clone(memory_format=torch.contiguous_format)
+    if hadamard_signs is not None:
+        lanes = hadamard_lanes_override or hadamard_lanes(head_dim, x.dtype)
+        groups = -(-rows // (THREADS // lanes))
+        grid = min(groups, sm_count(index) * _WAVES)
+        name, table, smem = kernel_name("hadamard", head_dim, bits, x.dtype), hadamard_signs.contiguous(), 0
+    else:
+        tiles = -(-rows // _DENSE_ROWS[head_dim])
+        grid = min(tiles, sm_count(index) * _DENSE_CTAS_PER_SM[head_dim] * 4)
+        name, table, smem = kernel_name("dense", head_dim, bits, x.dtype), rotation, dense_smem_bytes(head_dim)
+    kernel = loader.get_kernel(CUDA_SOURCE, name, device, options)
+    args = (
+        x, np.int64(strides[0]), np.int64(strides[1]), np.int64(strides[2]),
+        *fast_divider(sizes[1]), *fast_divider(sizes[2]), rows,
+        table, boundaries.contiguous(), centroids_arg.contiguous(), bool(norm_correction), packed, norms,
+    )
+    loader.launch(kernel, (grid,), (THREADS,), args, device, shared_mem=smem)

@@ -1,0 +1,289 @@
+"""CUDA split-K decode over TQ4 caches (``cuda/paged_decode.cu`` + ``cuda/split_k_reduce.cu``).
+
+This module holds the paged entry point :func:`paged_decode` and the machinery shared with the contiguous
+entry point in ``tq_decode.py``: the split plan (from the SM count, the batch and the length), the cached
+partial-result workspace and the launch. Both layouts run the same kernel template; only the address
+computation differs (template ``MODE``).
+
+Host-side plan, once per (shape, length bucket) and reused by every layer of a decode step: the key range of
+each (sequence, KV head) is cut into ``splits`` equal pieces of ``split_len`` keys (a multiple of the 4 warps'
+iteration size), chosen to fill ``SMs x CTAs-per-SM`` slots in whole waves; with one split the kernel writes the
+result directly, otherwise ``split_k_reduce.cu`` merges the partials.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..paged import BLOCK_SIZES, PagedLayout
+from .loader import get_kernel, launch
+from .split_k import launch_merge
+
+CUDA_SOURCE = "paged_decode.cu"
+HEAD_DIMS = (64, 128, 256)
+QUERY_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, MODE_PAGED = 0, 1, 2
+NAME_EXPRESSIONS: tuple[str, ...] = tuple(
+    f"fqd::tq_decode_kernel<{d}, {k}, {MODE_PAGED}>" for d in HEAD_DIMS for k in QUERY_KINDS.values()
+)
+
+WARPS = 4
+THREADS = 32 * WARPS
+HEADS_PER_CTA = 8  # the n = 8 head slots of one mma tile
+LUT_BYTES = 2 * 256 * 32 * 4  # K and V byte->pair tables, one copy per lane
+MAX_PAGE_BYTES = 4096  # shared-memory copy of one split's block-table slice
+CHUNK = {64: 32, 128: 32, 256: 16}  # keys per warp iteration (Traits<D>::kChunk)
+MIN_BLOCKS = {64: 3, 128: 3, 256: 2}  # __launch_bounds__ minimum CTAs per SM
+# Tuned on the H200 by benchmarks/bench_decode.py (sweep of 0-3 x 1-3 over the three benchmark shapes):
+PREFETCH_CHUNKS = 1  # L2 prefetch distance, in warp iterations beyond the register prefetch (0: off)
+SLOT_FACTOR = 1.0  # planned CTA slots = SMs x resident CTAs x SLOT_FACTOR
+OVERHEAD_KEYS = 128  # per-CTA start/merge cost, in keys of streaming
+PARTIAL_KEYS = 64  # cost of writing + merging one partial result, in keys
+NULL = np.uint64(0)
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How one decode call is cut: ``splits`` key ranges of ``split_len`` keys; ``shared_mem`` bytes per CTA."""
+
+    splits: int
+    split_len: int
+    shared_mem: int
+    slots: int
+
+
+def kernel_name(head_dim: int, query_kind: int, mode: int) -> str:
+    """Name expression of one decode instantiation."""
+    return f"fqd::tq_decode_kernel<{head_dim}, {query_kind}, {mode}>"
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _prepared_kernel(name: str, device_index: int) -> tuple[Any, int]:
+    """The kernel with its shared-memory limits raised, and how many of its CTAs fit on one SM."""
+    device = torch.device("cuda", device_index)
+    kernel = get_kernel(CUDA_SOURCE, name, device)
+    smem = LUT_BYTES + MAX_PAGE_BYTES + 16
+    kernel.max_dynamic_shared_size_bytes = smem
+    try:
+        kernel.preferred_shared_memory_carveout = 100  # 3 CTAs x ~69 KB need the largest carveout
+    except Exception:  # an older CuPy without the attribute: the driver picks
+        pass
+    head_dim = int(name.split("<")[1].split(",")[0])
+    try:  # what the driver will actually co-schedule (registers, shared memory, carveout)
+        import cupy
+
+        with cupy.cuda.Device(device_index):
+            resident = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, THREADS, smem)
+        return kernel, max(1, int(resident))
+    except Exception:
+        pass
+    try:
+        regs = -(-int(kernel.num_regs) // 8) * 8
+        by_regs = 65536 // (regs * THREADS)
+    except Exception:
+        by_regs = MIN_BLOCKS[head_dim]
+    props = torch.cuda.get_device_properties(device_index)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    by_smem = per_sm // (smem + 1024)  # + the 1 KB the driver reserves per CTA
+    return kernel, max(1, min(by_regs, by_smem, MIN_BLOCKS[head_dim]))
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_decode(units: int, max_len: int, head_dim: int, slots: int, log2_block_size: int | None = None) -> DecodePlan:
+    """Split plan for ``units`` (sequence, KV head, head group) triples of up to ``max_len`` keys.
+
+    Picks the split count minimising ``waves * (split_len + OVERHEAD_KEYS)`` plus the partials' cost, where a
+    wave is ``slots`` (SMs x CTAs per SM) CTAs. Paged splits also keep their block-table slice within
+    ``MAX_PAGE_BYTES``. ``max_len`` should be rounded to the granule by callers so one plan serves many steps.
+    """
+    gran = CHUNK[head_dim] * WARPS
+    length = max(gran, -(-max_len // gran) * gran)
+    max_pages = MAX_PAGE_BYTES // 4 - 1
+    best: tuple[float, int, int] | None = None
+    limit = min(length // gran, 4 * slots // max(1, units) + 1)
+    for s in range(1, max(1, limit) + 1):
+        split_len = -(-(-(-length // s)) // gran) * gran
+        if log2_block_size is not None and (split_len >> log2_block_size) + 1 > max_pages:
+            continue
+        used = -(-length // split_len)
+        waves = -(-units * used // slots)
+        cost = waves * (split_len + OVERHEAD_KEYS) + (used * units * PARTIAL_KEYS / slots if used > 1 else 0)
+        if best is None or cost < best[0]:
+            best = (cost, used, split_len)
+    if best is None:  # very long sequences with tiny blocks: as many splits as the page budget needs
+        split_len = (max_pages - 1) << log2_block_size
+        best = (0.0, -(-length // split_len), split_len)
+    _, splits, split_len = best
+    pages = 0 if log2_block_size is None else 4 * ((split_len >> log2_block_size) + 1)
+    return DecodePlan(splits, split_len, LUT_BYTES + pages, slots)
+
+
+@functools.lru_cache(maxsize=32)
+def _workspace(device_index: int, splits: int, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Reused by every layer of a step: the merge that reads it is stream-ordered before the next decode writes.
+    device = torch.device("cuda", device_index)
+    return (
+        torch.empty(splits, rows, head_dim, dtype=torch.float32, device=device),
+        torch.empty(splits, rows, dtype=torch.float32, device=device),
+    )
+
+
+def run_decode(
+    mode: int, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, units_shape: tuple[int, int, int],
+    group: int, max_len: int, centroids: tuple[torch.Tensor, torch.Tensor], scale: float, out: torch.Tensor,
+    lse: torch.Tensor, log2_block_size: int | None = None,
+) -> None:
+    """Plan, launch the decode kernel and (for several splits) the merge into ``out [rows, D]``, ``lse [rows]``.
+
+    ``tensor_args``: the 25 layout arguments of the kernel between the query strides and ``k_cent`` (pointers as
+    tensors or ``NULL``, strides as ``np.int64``, ints as int). ``units_shape``: (batch, H_kv, head_groups).
+    """
+    device = q3.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    head_dim = q3.shape[-1]
+    batch, kv_heads, head_groups = units_shape
+    name = kernel_name(head_dim, QUERY_KINDS[q3.dtype], mode)
+    kernel, ctas_per_sm = _prepared_kernel(name, index)
+    gran = CHUNK[head_dim] * WARPS
+    slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
+    plan = plan_decode(batch * kv_heads * head_groups, -(-max_len // gran) * gran, head_dim, slots, log2_block_size)
+    rows = out.shape[0]
+    if plan.splits == 1:
+        part_out, part_lse = out, lse
+    else:
+        part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
+    args = (
+        q3, np.int64(q_strides[0]), np.int64(q_strides[1]), np.int64(q_strides[2]), *tensor_args,
+        centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, plan.split_len,
+        part_out, part_lse, rows, PREFETCH_CHUNKS,
+    )
+    launch(kernel, (plan.splits, kv_heads * head_groups, batch), (THREADS,), args, device, shared_mem=plan.shared_mem)
+    if plan.splits > 1:
+        launch_merge(part_out, part_lse, out, lse)
+
+
+def check_query(q_rot: torch.Tensor, rank: int, layout: str) -> None:
+    """Common checks of the rotated queries (CUDA, dtype, rank, head_dim)."""
+    if not isinstance(q_rot, torch.Tensor):
+        raise TypeError(f"`q_rot` must be a torch.Tensor, got {type(q_rot).__name__}")
+    if not q_rot.is_cuda:
+        raise ValueError(f"`q_rot` must be on a CUDA device, got {q_rot.device}")
+    if q_rot.dtype not in QUERY_KINDS:
+        raise ValueError(f"`q_rot` must be float16, bfloat16 or float32, got {q_rot.dtype}")
+    if q_rot.dim() != rank:
+        raise ValueError(f"`q_rot` must have shape {layout}, got {list(q_rot.shape)}")
+    if q_rot.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"`q_rot` head_dim must be one of {HEAD_DIMS} for the CUDA decode, got {q_rot.shape[-1]}")
+
+
+def check_codebooks(k_centroids: torch.Tensor, v_centroids: torch.Tensor, k_bits: int, v_bits: int,
+                    device: torch.device) -> None:
+    """TQ4 only in CUDA; fp32 [16] contiguous centroids on the queries' device."""
+    if k_bits != 4 or v_bits != 4:
+        raise NotImplementedError(
+            f"the CUDA decode supports 4-bit keys and values only, got k_bits={k_bits}, v_bits={v_bits}; "
+            "use the PyTorch reference (FLASHQUANT_BACKEND=torch) for other bit widths"
+        )
+    for name, c in (("k_centroids", k_centroids), ("v_centroids", v_centroids)):
+        if not isinstance(c, torch.Tensor) or c.dtype != torch.float32 or tuple(c.shape) != (16,) or not c.is_contiguous():
+            got = f"{c.dtype} {list(c.shape)}" if isinstance(c, torch.Tensor) else type(c).__name__
+            raise ValueError(f"`{name}` must be a contiguous float32 tensor of shape [16], got {got}")
+        if c.device != device:
+            raise ValueError(f"`{name}` must be on {device}, got {c.device}")
+
+
+def _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size) -> PagedLayout:
+    check_query(q_rot, 3, "[S, Hq, D]")
+    num_seqs, q_heads, head_dim = q_rot.shape
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"`block_size` must be one of {BLOCK_SIZES}, got {block_size!r}")
+    if not isinstance(blocks, torch.Tensor) or blocks.dim() != 3:
+        raise ValueError(f"`blocks` must be uint8 [num_blocks, H_kv, bytes], got {getattr(blocks, 'shape', blocks)}")
+    layout = PagedLayout(block_size, int(blocks.shape[1]), head_dim)
+    layout.check_blocks(blocks)
+    if q_heads % layout.num_kv_heads:
+        raise ValueError(f"`q_rot` heads ({q_heads}) must be a multiple of the KV heads ({layout.num_kv_heads})")
+    if blocks.device != q_rot.device or blocks.data_ptr() % 16 or blocks.stride(0) % 16:
+        raise ValueError(f"`blocks` must be 16-byte aligned on {q_rot.device}, got {blocks.device}, "
+                         f"address % 16 = {blocks.data_ptr() % 16}, block stride {blocks.stride(0)}")
+    if (block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != num_seqs
+            or block_table.stride(1) != 1 or block_table.device != q_rot.device):
+        raise ValueError(f"`block_table` must be int32 [{num_seqs}, max_blocks] (rows contiguous) on {q_rot.device}, "
+                         f"got {block_table.dtype} {list(block_table.shape)} on {block_table.device}")
+    if (seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (num_seqs,) or not seq_lens.is_contiguous()
+            or seq_lens.device != q_rot.device):
+        raise ValueError(f"`seq_lens` must be contiguous int32 [{num_seqs}] on {q_rot.device}, "
+                         f"got {seq_lens.dtype} {list(seq_lens.shape)} on {seq_lens.device}")
+    return layout
+
+
+def paged_decode(
+    q_rot: torch.Tensor,
+    blocks: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    k_bits: int,
+    v_bits: int,
+    scale: float,
+    block_size: int,
+    max_seq_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K decode of one query token per sequence over the paged TQ4 store (CUDA).
+
+    Same contract as :func:`flashquant_hf.reference.paged_decode.paged_decode`.
+
+    Parameters
+    ----------
+    q_rot : shape [S, Hq, D] fp16/bf16/fp32, already rotated by the key rotation; D in {64, 128, 256}
+    blocks : uint8 shape [num_blocks, H_kv, block_size * (D + 8)], one layer of :class:`flashquant_hf.paged.PagedTQCache`
+    block_table : int32 shape [S, max_blocks]; seq_lens : int32 shape [S]
+    k_centroids, v_centroids : fp32 shape [16] (4-bit only: other widths raise NotImplementedError)
+    max_seq_len : host-side upper bound of ``seq_lens`` used to plan the splits (default: read from the device,
+        one synchronisation). Keys beyond it are not attended, so it must not be smaller than the true maximum.
+
+    Returns
+    -------
+    out_rot : fp32 shape [S, Hq, D] (value-rotated space); lse : fp32 shape [S, Hq] natural log (-inf, out 0 for
+    an empty sequence)
+    """
+    layout = _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size)
+    check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
+    num_seqs, q_heads, head_dim = q_rot.shape
+    kv_heads = layout.num_kv_heads
+    group = q_heads // kv_heads
+    max_len = int(seq_lens.max()) if max_seq_len is None and num_seqs else int(max_seq_len or 0)
+    out = torch.empty(num_seqs * q_heads, head_dim, dtype=torch.float32, device=q_rot.device)
+    lse = torch.empty(num_seqs * q_heads, dtype=torch.float32, device=q_rot.device)
+    if max_len <= 0 or num_seqs == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out.view(num_seqs, q_heads, head_dim), lse.view(num_seqs, q_heads)
+    zero = np.int64(0)
+    tensor_args = (
+        blocks, zero, zero, zero,  # k_idx = block base; the kernel derives every section from it
+        NULL, zero, zero, zero,
+        NULL, zero, zero, zero,
+        NULL, zero, zero, zero,
+        NULL, zero, zero,  # key_bias
+        block_table, np.int64(block_table.stride(0)), seq_lens,
+        np.int64(blocks.stride(0)), layout.log2_block_size, 0,
+    )
+    run_decode(
+        MODE_PAGED, q_rot, tuple(q_rot.stride()), tensor_args, (num_seqs, kv_heads, -(-group // HEADS_PER_CTA)),
+        group, max_len, (k_centroids, v_centroids), float(scale), out, lse, layout.log2_block_size,
+    )
+    return out.view(num_seqs, q_heads, head_dim), lse.view(num_seqs, q_heads)

@@ -1,0 +1,134 @@
+"""CUDA ``tq_decode``: ``tq_attention`` for one query token over the contiguous per-layer TQ4 layout.
+
+Same kernel family as the paged decode (``cuda/paged_decode.cu``, template ``MODE`` 0 / 1 with ``key_bias``);
+the plan, workspace and launch live in :mod:`flashquant_hf.kernels.paged_decode`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .paged_decode import (
+    HEADS_PER_CTA,
+    HEAD_DIMS,
+    MODE_CONTIGUOUS,
+    MODE_CONTIGUOUS_BIAS,
+    NULL,
+    QUERY_KINDS,
+    check_codebooks,
+    check_query,
+    run_decode,
+)
+
+CUDA_SOURCE = "paged_decode.cu"
+NAME_EXPRESSIONS: tuple[str, ...] = tuple(
+    f"fqd::tq_decode_kernel<{d}, {k}, {m}>"
+    for d in HEAD_DIMS
+    for k in QUERY_KINDS.values()
+    for m in (MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS)
+)
+
+
+def _check_layout(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                  vector: bool) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+        got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"`{name}` must be {dtype} of shape {list(shape)}, got {got}")
+    if t.device != device:
+        raise ValueError(f"`{name}` must be on {device}, got {t.device}")
+    # 16-byte lane loads: the rows must start 16-byte aligned (size-1 dimensions never move the address).
+    misaligned = any(s % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    if vector and (t.stride(-1) != 1 or t.data_ptr() % 16 or misaligned):
+        raise ValueError(
+            f"`{name}` needs a contiguous last dimension and 16-byte aligned rows (address and strides), "
+            f"got strides {t.stride()} at address % 16 = {t.data_ptr() % 16}"
+        )
+
+
+def _check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, key_bias) -> None:
+    check_query(q_rot, 4, "[B, Hq, 1, D]")
+    batch, q_heads, q_len, head_dim = q_rot.shape
+    if q_len != 1:
+        raise ValueError(f"`q_rot` must hold one query token per sequence (Lq = 1), got Lq = {q_len}")
+    if not isinstance(k_packed, torch.Tensor) or k_packed.dim() != 4:
+        raise ValueError(f"`k_packed` must be uint8 of shape [B, H_kv, N, {head_dim // 2}], got "
+                         f"{getattr(k_packed, 'shape', type(k_packed).__name__)}")
+    kv_heads, num_keys = int(k_packed.shape[1]), int(k_packed.shape[2])
+    dev = q_rot.device
+    _check_layout("k_packed", k_packed, (batch, kv_heads, num_keys, head_dim // 2), torch.uint8, dev, True)
+    _check_layout("v_packed", v_packed, (batch, kv_heads, num_keys, head_dim // 2), torch.uint8, dev, True)
+    _check_layout("k_norms", k_norms, (batch, kv_heads, num_keys), torch.float32, dev, False)
+    _check_layout("v_norms", v_norms, (batch, kv_heads, num_keys), torch.float32, dev, False)
+    if q_heads % kv_heads:
+        raise ValueError(f"`q_rot` heads ({q_heads}) must be a multiple of the KV heads ({kv_heads})")
+    if key_bias is not None:
+        _check_layout("key_bias", key_bias, (batch, num_keys), torch.float32, dev, False)
+
+
+def tq_decode(
+    q_rot: torch.Tensor,
+    k_packed: torch.Tensor,
+    k_norms: torch.Tensor,
+    v_packed: torch.Tensor,
+    v_norms: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    k_bits: int,
+    v_bits: int,
+    scale: float,
+    causal: bool = False,
+    key_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K decode over the contiguous TQ4 layout (CUDA); the ``tq_attention`` contract for ``Lq == 1``.
+
+    Parameters
+    ----------
+    q_rot : shape [B, Hq, 1, D] fp16/bf16/fp32, already ``q @ Pi_K.T``; D in {64, 128, 256}
+    k_packed, v_packed : uint8 shape [B, H_kv, N, D/2] (views of a larger capacity buffer are fine: element
+        strides, 16-byte aligned rows)
+    k_norms, v_norms : fp32 shape [B, H_kv, N]
+    k_centroids, v_centroids : fp32 shape [16]; 4-bit only (other widths raise NotImplementedError)
+    scale : softmax scale
+    causal : ignored: with one query token the bottom-right aligned mask hides nothing
+    key_bias : optional fp32 shape [B, N] added to every score of key j (0 or -inf for padding)
+
+    Returns
+    -------
+    out_rot : fp32 shape [B, Hq, 1, D] (value-rotated space); lse : fp32 shape [B, Hq, 1] natural log, -inf (and
+    out 0) where no key is visible
+    """
+    _check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, key_bias)
+    check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
+    batch, q_heads, _, head_dim = q_rot.shape
+    kv_heads, num_keys = k_packed.shape[1], k_packed.shape[2]
+    group = q_heads // kv_heads
+    out = torch.empty(batch * q_heads, head_dim, dtype=torch.float32, device=q_rot.device)
+    lse = torch.empty(batch * q_heads, dtype=torch.float32, device=q_rot.device)
+    if num_keys == 0 or batch == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out.view(batch, q_heads, 1, head_dim), lse.view(batch, q_heads, 1)
+    i64 = np.int64
+    ks, kns, vs, vns = k_packed.stride(), k_norms.stride(), v_packed.stride(), v_norms.stride()
+    if key_bias is None:
+        mode, bias_args = MODE_CONTIGUOUS, (NULL, i64(0), i64(0))
+    else:
+        mode, bias_args = MODE_CONTIGUOUS_BIAS, (key_bias, i64(key_bias.stride(0)), i64(key_bias.stride(1)))
+    tensor_args = (
+        k_packed, i64(ks[0]), i64(ks[1]), i64(ks[2]),
+        k_norms, i64(kns[0]), i64(kns[1]), i64(kns[2]),
+        v_packed, i64(vs[0]), i64(vs[1]), i64(vs[2]),
+        v_norms, i64(vns[0]), i64(vns[1]), i64(vns[2]),
+        *bias_args,
+        NULL, i64(0), NULL,
+        i64(0), 0, num_keys,
+    )
+    qs = q_rot.stride()
+    run_decode(
+        mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, (batch, kv_heads, -(-group // HEADS_PER_CTA)), group,
+        num_keys, (k_centroids, v_centroids), float(scale), out, lse,
+    )
+    return out.view(batch, q_heads, 1, head_dim), lse.view(batch, q_heads, 1)

@@ -1,0 +1,53 @@
+"""Tiny paged + contiguous decode (several splits, so the merge runs too) for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck python tests/gpu/sanitize_decode.py
+    compute-sanitizer --tool racecheck python tests/gpu/sanitize_decode.py
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from flashquant_hf.codebook import lloyd_max_codebook  # noqa: E402
+from flashquant_hf.kernels.paged_decode import paged_decode  # noqa: E402
+from flashquant_hf.kernels.tq_decode import tq_decode  # noqa: E402
+from flashquant_hf.paged import PagedLayout  # noqa: E402
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    dev = "cuda"
+    c = torch.tensor(lloyd_max_codebook(128, 4).centroids, dtype=torch.float32, device=dev)
+    layout = PagedLayout(block_size=8, num_kv_heads=2, head_dim=128)
+    lens = [700, 3, 0]
+    need = [-(-n // 8) for n in lens]
+    blocks = torch.randint(0, 256, (sum(need) + 1, 2, layout.head_block_bytes), dtype=torch.uint8, device=dev)
+    for section in layout.sections(blocks)[1::2]:
+        section.uniform_(0.5, 2.0)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    ids = torch.randperm(sum(need)).tolist()
+    for i, n in enumerate(need):
+        table[i, :n] = torch.tensor(ids[sum(need[:i]) : sum(need[:i]) + n], dtype=torch.int32)
+    q = torch.randn(len(lens), 8, 128, device=dev, dtype=torch.bfloat16)
+    out, lse = paged_decode(q, blocks, table.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev), c, c, 4, 4,
+                            128**-0.5, 8)
+    k = torch.randint(0, 256, (2, 2, 900, 64), dtype=torch.uint8, device=dev)[:, :, :777]
+    v = torch.randint(0, 256, (2, 2, 777, 64), dtype=torch.uint8, device=dev)
+    kn, vn = torch.rand(2, 2, 777, device=dev), torch.rand(2, 2, 777, device=dev)
+    bias = torch.zeros(2, 777, device=dev)
+    bias[1, :100] = float("-inf")
+    out2, lse2 = tq_decode(q[:2, :, None], k, kn, v, vn, c, c, 4, 4, 128**-0.5, key_bias=bias)
+    torch.cuda.synchronize()
+    if len(sys.argv) > 2 and sys.argv[1] == "--dump":  # inputs and outputs for offline debugging
+        torch.save({"q": q, "blocks": blocks, "table": table, "lens": lens, "out": out, "lse": lse, "k": k, "kn": kn,
+                    "v": v, "vn": vn, "bias": bias, "out2": out2, "lse2": lse2, "c": c},
+                   Path(sys.argv[2]) / "decode_dump.pt")
+    assert torch.isfinite(out).all() and torch.isfinite(out2).all()
+    print("sanitize_decode: ok", tuple(out.shape), tuple(out2.shape))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""GPU tests of the fused compress kernel (flashquant_hf.kernels.compress) against the PyTorch reference.
+
+Indices must equal the reference's except where the exact (float64) rotated coordinate lies within 1e-6 of a
+boundary; norms must match float64 math. Each (rotation path, head_dim, bits) instantiation runs once, with
+the input dtype chosen by a Latin square so that every dtype meets every head_dim and bit width; within a test
+the shapes cover 1 row, row counts that are not multiples of the rows per CTA, strided views, a view that
+needs a copy, a zero row, and (for D=128) enough rows for several iterations of the persistent loop.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from flashquant_hf.codebook import lloyd_max_codebook
+from flashquant_hf.kernels import compress as kc
+from flashquant_hf.kernels import loader
+from flashquant_hf.packing import packed_size, unpack_indices
+from flashquant_hf.reference.compress import compress as reference_compress
+from flashquant_hf.rotation import hadamard_signs, random_rotation
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TINY = torch.finfo(torch.float32).tiny
+NEAR = 1e-6  # indices may differ only this close to a boundary
+
+
+def _cases() -> list[tuple[str, int, int, torch.dtype]]:
+    cases = []
+    for ip, path in enumerate(kc.ROTATION_PATHS):
+        for i_d, head_dim in enumerate(kc.HEAD_DIMS):
+            for i_b, bits in enumerate(kc.BITS):
+                cases.append((path, head_dim, bits, DTYPES[(ip + i_d + i_b) % 3]))
+    # The benchmark's configuration on both paths.
+    for path in kc.ROTATION_PATHS:
+        if (path, 128, 4, torch.bfloat16) not in cases:
+            cases.append((path, 128, 4, torch.bfloat16))
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    """Compile every instantiation this module launches up front, in parallel (NVRTC releases the GIL)."""
+    names = sorted({kc.kernel_name(p, d, b, t) for p, d, b, t in CASES})
+    device = torch.device("cuda", torch.cuda.current_device())
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda n: loader.get_kernel(kc.CUDA_SOURCE, n, device), names))
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_matmul():
+    """The reference rotates with an fp32 matmul: keep TF32 out of it."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _rotation(path: str, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    kind = "hadamard" if path == "hadamard" else "haar"
+    rotation = random_rotation(head_dim, seed, kind, device="cuda")
+    signs = hadamard_signs(head_dim, seed, device="cuda") if path == "hadamard" else None
+    return rotation, signs
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Gaussian rows at mixed scales, the first row zero."""
+    x = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
+    scale = 10.0 ** torch.randint(-2, 3, shape[:-1] + (1,), generator=gen, device="cuda").float()
+    x = (x * scale).to(dtype)
+    x.view(-1, shape[-1])[0] = 0
+    return x
+
+
+def _views(head_dim: int, dtype: torch.dtype, gen: torch.Generator, big: bool) -> list[tuple[str, torch.Tensor]]:
+    d = head_dim
+    views = [
+        ("one row", _inputs((1, d), dtype, gen)),
+        ("97 rows", _inputs((97, d), dtype, gen)),
+        ("[3, 5, 7] rows", _inputs((3, 5, 7, d), dtype, gen)),
+        # HF's key/value layout: [B, L, H, D] transposed to [B, H, L, D]: three strided leading dims.
+        ("transposed [2, 4, 37]", _inputs((2, 37, 4, d), dtype, gen).transpose(1, 2)),
+        # A slice of a wider last dim keeps 16-byte aligned rows: strided, no copy.
+        ("sliced last dim", _inputs((41, d + 64), dtype, gen)[:, 32 : 32 + d]),
+        # Misaligned rows and four non-collapsible leading dims: the wrapper copies.
+        ("misaligned rows", _inputs((29, d + 1), dtype, gen)[:, 1:]),
+        ("4 strided leading dims", _inputs((2, 3, 5, 7, d), dtype, gen).permute(3, 0, 2, 1, 4)),
+    ]
+    if big:  # several iterations of the persistent grid-stride loop
+        views.append(("150001 rows", _inputs((150001, d), dtype, gen)))
+    return views
+
+
+def _near_boundary(x: torch.Tensor, rotation: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
+    x64 = x.double()
+    unit = x64 / x64.norm(dim=-1, keepdim=True).clamp_min(TINY)
+    y = unit @ rotation.double().T
+    return (y.unsqueeze(-1) - boundaries.double()).abs().amin(-1) < NEAR
+
+
+def _launch(x, rotation, boundaries, bits, centroids, nc, signs, poison):
+    d = x.shape[-1]
+    packed = poison(torch.empty(x.shape[:-1] + (packed_size(d, bits),), dtype=torch.uint8, device="cuda"))
+    norms = poison(torch.empty(x.shape[:-1], dtype=torch.float32, device="cuda"))
+    kc.launch_compress(x, rotation, boundaries, bits, centroids, nc, signs, packed, norms)
+    torch.cuda.synchronize()
+    return packed, norms
+
+
+def _problems(label, x, packed, norms, rotation, boundaries, centroids, bits, nc) -> list[str]:
+    """What differs from the reference (empty when the kernel's outputs are right)."""
+    d = x.shape[-1]
+    if packed.shape != x.shape[:-1] + (packed_size(d, bits),) or packed.dtype != torch.uint8:
+        return [f"{label}: packed is {packed.dtype} {list(packed.shape)}"]
+    if norms.shape != x.shape[:-1] or norms.dtype != torch.float32:
+        return [f"{label}: norms are {norms.dtype} {list(norms.shape)}"]
+    problems = []
+    ref_packed, ref_norms = reference_compress(x, rotation, boundaries, bits, centroids, nc)
+    got = unpack_indices(packed, bits, d)
+    want = unpack_indices(ref_packed, bits, d)
+    near = _near_boundary(x, rotation, boundaries)
+    bad = (got != want) & ~near
+    if bad.any():
+        where = bad.nonzero()[:4].tolist()
+        pairs = [(w, int(got[tuple(w)]), int(want[tuple(w)])) for w in where]
+        problems.append(
+            f"{label}: {int(bad.sum())} of {bad.numel()} indices differ away from a boundary "
+            f"(rows affected: {int(bad.flatten(0, -2).any(-1).sum())}); first (position, kernel, reference): {pairs}"
+        )
+    n64 = x.double().norm(dim=-1)
+    expect = n64 / centroids.double()[got].norm(dim=-1).clamp_min(TINY) if nc else n64
+    if not torch.isfinite(norms).all():
+        problems.append(f"{label}: {int((~torch.isfinite(norms)).sum())} non-finite norms (poison left?)")
+    else:
+        rel = ((norms.double() - expect).abs() / expect.clamp_min(1e-300)).masked_fill(expect == 0, 0)
+        if (norms.double() - expect).abs().gt(1e-5 * expect).any():
+            problems.append(f"{label}: norms off by up to {rel.max().item():.3g} relative (first values "
+                            f"{norms.flatten()[:3].tolist()} vs {expect.flatten()[:3].tolist()})")
+    return problems
+
+
+def _check(label, x, packed, norms, rotation, boundaries, centroids, bits, nc):
+    problems = _problems(label, x, packed, norms, rotation, boundaries, centroids, bits, nc)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path,head_dim,bits,dtype", CASES)
+def test_compress_matches_reference(path, head_dim, bits, dtype, poison):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rotation, signs = _rotation(path, head_dim, seed % 1000)
+    cb = lloyd_max_codebook(head_dim, bits)
+    centroids, boundaries = cb.tensors("cuda")
+    problems = []  # every view and setting runs before the test reports, to show the whole pattern
+    for name, x in _views(head_dim, dtype, gen, big=head_dim == 128):
+        for nc in (False, True):
+            label = f"{path} D={head_dim} bits={bits} {dtype} {name} nc={nc} seed={seed}"
+            packed, norms = _launch(x, rotation, boundaries, bits, centroids, nc, signs, poison)
+            problems += _problems(label, x, packed, norms, rotation, boundaries, centroids, bits, nc)
+    assert not problems, f"{len(problems)} failing settings:\n" + "\n".join(problems[:8])
+
+
+@pytest.mark.parametrize("path", kc.ROTATION_PATHS)
+def test_public_compress_equals_launch(path):
+    """`compress` allocates fresh outputs of the right shape and returns what the launch writes."""
+    head_dim, bits, dtype = 128, 4, torch.bfloat16
+    rotation, signs = _rotation(path, head_dim, 5)
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    x = torch.randn(3, 8, 33, head_dim, device="cuda", dtype=dtype)
+    packed, norms = kc.compress(x, rotation, boundaries, bits, centroids, True, signs)
+    assert packed.shape == (3, 8, 33, 64) and norms.shape == (3, 8, 33)
+    assert packed.is_contiguous() and norms.is_contiguous()
+    again, again_norms = kc.compress(x, rotation, boundaries, bits, centroids, True, signs)
+    assert torch.equal(packed, again) and torch.equal(norms, again_norms)  # deterministic
+    _check(path, x, packed, norms, rotation, boundaries, centroids, bits, True)
+    empty_packed, empty_norms = kc.compress(x[:, :, :0], rotation, boundaries, bits, centroids, False, signs)
+    assert empty_packed.shape == (3, 8, 0, 64) and empty_norms.shape == (3, 8, 0)
+
+
+@pytest.mark.parametrize("path", kc.ROTATION_PATHS)
+def test_closely_spaced_boundaries_use_the_exact_scan(path, poison):
+    """4-bit boundaries closer than the lookup table's cells (and two equal ones) still bucketize exactly."""
+    head_dim, bits = 128, 4
+    dtype = next(t for p, d, b, t in CASES if (p, d, b) == (path, head_dim, bits))
+    rotation, signs = _rotation(path, head_dim, 11)
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    boundaries = boundaries.clone()
+    boundaries[8] = boundaries[7] + 1e-4
+    boundaries[10] = boundaries[9]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = _inputs((2000, head_dim), dtype, gen)
+    for nc in (False, True):
+        packed, norms = _launch(x, rotation, boundaries, bits, centroids, nc, signs, poison)
+        _check(f"{path} close boundaries nc={nc}", x, packed, norms, rotation, boundaries, centroids, bits, nc)
+
+
+def test_unsupported_sizes_fall_back_to_the_reference():
+    """head_dim 96 and bits 1 have no kernel: the wrapper returns the reference's result on the GPU."""
+    x = torch.randn(5, 96, device="cuda")
+    rotation = random_rotation(96, 0, device="cuda")
+    centroids, boundaries = lloyd_max_codebook(96, 4).tensors("cuda")
+    got = kc.compress(x, rotation, boundaries, 4, centroids)
+    want = reference_compress(x, rotation, boundaries, 4, centroids)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    x = torch.randn(5, 64, device="cuda")
+    rotation = random_rotation(64, 0, device="cuda")
+    _, boundaries = lloyd_max_codebook(64, 1).tensors("cuda")
+    got = kc.compress(x, rotation, boundaries, 1)
+    want = reference_compress(x, rotation, boundaries, 1)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _good_args(**overrides):
+    head_dim, bits = 128, 4
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    args = dict(
+        x=torch.randn(4, head_dim, device="cuda", dtype=torch.bfloat16),
+        rotation=random_rotation(head_dim, 0, "hadamard", device="cuda"),
+        boundaries=boundaries,
+        bits=bits,
+        centroids=centroids,
+        norm_correction=False,
+        hadamard_signs=hadamard_signs(head_dim, 0, device="cuda"),
+    )
+    args.update(overrides)
+    return args
+
+
+# Factories, not tensors: collection must not touch CUDA on machines without a GPU.
+BAD_INPUTS = [
+    (lambda: dict(x=torch.randn(4, 128)), ValueError, r"`x` must be a CUDA tensor.*cpu"),
+    (lambda: dict(x=torch.ones(4, 128, device="cuda", dtype=torch.int32)), ValueError, r"`x` must have dtype"),
+    (lambda: dict(x=[1.0, 2.0]), TypeError, r"`x` must be a torch.Tensor"),
+    (lambda: dict(rotation=torch.eye(64, device="cuda")), ValueError, r"`rotation` must have shape \[128, 128\]"),
+    (lambda: dict(rotation=torch.eye(128, device="cuda", dtype=torch.float64)), ValueError, r"`rotation` must have dtype"),
+    (lambda: dict(rotation=torch.eye(128)), ValueError, r"`rotation` must be a CUDA tensor.*cpu"),
+    (lambda: dict(boundaries=torch.zeros(7, device="cuda")), ValueError, r"`boundaries` must have shape \[15\]"),
+    (lambda: dict(bits=5), ValueError, r"`bits` must be one of"),
+    (lambda: dict(norm_correction=True, centroids=None), ValueError, r"`centroids` are required"),
+    (lambda: dict(centroids=torch.zeros(8, device="cuda")), ValueError, r"`centroids` must have shape \[16\]"),
+    (lambda: dict(hadamard_signs=torch.ones(64, device="cuda")), ValueError, r"`hadamard_signs` must have shape \[128\]"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,match", BAD_INPUTS)
+def test_bad_inputs_raise(overrides, error, match):
+    with pytest.raises(error, match=match):
+        kc.compress(**_good_args(**overrides()))

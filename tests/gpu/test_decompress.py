@@ -1,0 +1,236 @@
+"""GPU tests of the decompress kernels (flashquant_hf.kernels.decompress) against the PyTorch reference.
+
+``dequantize_rotated`` is one fp32 multiply per coordinate, so it must equal the reference bit for bit (after
+the same round-to-nearest-even conversion for fp16/bf16 outputs). ``decompress`` must be within 1e-3 of the
+reference relative to the largest magnitude (plus one output ulp for fp16/bf16), and its error against float64
+math at most twice the reference's own. Output dtypes follow a Latin square over (head_dim, bits); every test
+covers 1 row, odd row counts, and the cache's strided ``[:, :, :N]`` views of packed codes and norms.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from flashquant_hf.codebook import lloyd_max_codebook
+from flashquant_hf.kernels import decompress as kd
+from flashquant_hf.kernels import loader
+from flashquant_hf.packing import packed_size, unpack_indices
+from flashquant_hf.reference.compress import compress as reference_compress
+from flashquant_hf.reference.decompress import decompress as reference_decompress
+from flashquant_hf.reference.decompress import dequantize_rotated as reference_dequantize
+from flashquant_hf.rotation import hadamard_signs, random_rotation
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GRID = [(d, b) for d in kd.HEAD_DIMS for b in kd.BITS]
+
+
+def _dtype(i: int, head_dim: int, bits: int) -> torch.dtype:
+    return DTYPES[(i + kd.HEAD_DIMS.index(head_dim) + kd.BITS.index(bits)) % 3]
+
+
+ROTATED_CASES = [(d, b, _dtype(0, d, b)) for d, b in GRID] + [(128, 4, torch.bfloat16)]
+HADAMARD_CASES = [(d, b, _dtype(1, d, b)) for d, b in GRID]
+DENSE_CASES = [(d, b, _dtype(2, d, b)) for d, b in GRID]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    """Compile every instantiation this module launches up front, in parallel (NVRTC releases the GIL)."""
+    names = {kd.kernel_name("dequantize_rotated", d, b, t) for d, b, t in ROTATED_CASES}
+    names |= {kd.kernel_name("decompress_hadamard", d, b, t) for d, b, t in HADAMARD_CASES}
+    names |= {kd.kernel_name("dequantize_rotated", d, b, torch.float32) for d, b, _ in DENSE_CASES}
+    device = torch.device("cuda", torch.cuda.current_device())
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda n: loader.get_kernel(kd.CUDA_SOURCE, n, device), sorted(names)))
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_matmul():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _codes(lead: tuple[int, ...], head_dim: int, bits: int, rotation: torch.Tensor, gen: torch.Generator, nc: bool):
+    """Real codes of Gaussian vectors (reference compress), norms at mixed scales, the first vector zero."""
+    x = torch.randn(lead + (head_dim,), generator=gen, device="cuda")
+    x = x * 10.0 ** torch.randint(-2, 3, lead + (1,), generator=gen, device="cuda").float()
+    x.view(-1, head_dim)[0] = 0
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    packed, norms = reference_compress(x, rotation, boundaries, bits, centroids, nc)
+    return packed, norms, centroids
+
+
+def _layouts(head_dim: int, bits: int, rotation: torch.Tensor, gen: torch.Generator, big: bool):
+    """(label, packed, norms, centroids): contiguous and the cache's strided views."""
+    out = []
+    for label, lead in (("one row", (1,)), ("97 rows", (97,)), ("[3, 5, 7]", (3, 5, 7))):
+        out.append((label,) + _codes(lead, head_dim, bits, rotation, gen, nc=len(lead) == 3))
+    # The cache's layout: [B, H, N_cap, nbytes] buffers read as [:, :, :N].
+    packed, norms, centroids = _codes((2, 4, 50), head_dim, bits, rotation, gen, nc=False)
+    out.append(("cache view [2, 4, :37]", packed[:, :, :37], norms[:, :, :37], centroids))
+    # Four non-collapsible leading dims (and odd byte strides for 3-bit codes): the wrapper copies.
+    packed, norms, centroids = _codes((2, 3, 5, 7), head_dim, bits, rotation, gen, nc=False)
+    out.append(("4 strided leading dims", packed.permute(3, 0, 2, 1, 4), norms.permute(3, 0, 2, 1), centroids))
+    if big:  # several iterations of the persistent grid-stride loop
+        out.append(("150001 rows",) + _codes((150001,), head_dim, bits, rotation, gen, nc=False))
+    return out
+
+
+def _ulp(dtype: torch.dtype) -> float:
+    return 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps
+
+
+def _close_problems(label: str, got: torch.Tensor, packed, norms, rotation, centroids, bits, head_dim, dtype) -> list[str]:
+    """How ``got`` misses the reference decompression (empty when it is close enough)."""
+    if got.shape != packed.shape[:-1] + (head_dim,) or got.dtype != dtype:
+        return [f"{label}: output is {got.dtype} {list(got.shape)}"]
+    if not torch.isfinite(got).all():
+        return [f"{label}: {int((~torch.isfinite(got)).sum())} non-finite outputs (poison left?)"]
+    want = reference_decompress(packed, norms, rotation, centroids, bits, head_dim, dtype)
+    idx = unpack_indices(packed, bits, head_dim)
+    truth = (centroids.double()[idx] * norms.double().unsqueeze(-1)) @ rotation.double()
+    scale = truth.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    rel = ((got.double() - want.double()).abs() / scale).max().item()
+    problems = []
+    if rel > 1e-3 + _ulp(dtype):
+        problems.append(f"{label}: {rel:.3g} from the reference, relative to the row maximum")
+    err_kernel = ((got.double() - truth).abs() / scale).max().item()
+    err_torch = ((want.double() - truth).abs() / scale).max().item()
+    if err_kernel > 2 * err_torch + 1e-6:
+        problems.append(f"{label}: kernel error {err_kernel:.3g} vs reference {err_torch:.3g} (float64 truth)")
+    return problems
+
+
+def _check_close(label: str, got: torch.Tensor, packed, norms, rotation, centroids, bits, head_dim, dtype):
+    problems = _close_problems(label, got, packed, norms, rotation, centroids, bits, head_dim, dtype)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("head_dim,bits,dtype", ROTATED_CASES)
+def test_dequantize_rotated_is_exact(head_dim, bits, dtype, poison):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rotation = random_rotation(head_dim, seed % 1000, device="cuda")
+    problems = []
+    for label, packed, norms, centroids in _layouts(head_dim, bits, rotation, gen, big=head_dim == 128):
+        label = f"D={head_dim} bits={bits} {dtype} {label} seed={seed}"
+        out = poison(torch.empty(packed.shape[:-1] + (head_dim,), dtype=dtype, device="cuda"))
+        kd.launch_decompress(packed, norms, centroids, bits, None, out)
+        want = reference_dequantize(packed, norms, centroids, bits, head_dim).to(dtype)
+        if not torch.equal(out, want):
+            wrong = (out != want) | torch.isnan(out)
+            first = wrong.nonzero()[:3].tolist()
+            problems.append(f"{label}: {int(wrong.sum())} of {out.numel()} values differ; first at {first}: "
+                            f"{[out[tuple(i)].item() for i in first]} vs {[want[tuple(i)].item() for i in first]}")
+            continue
+        public = kd.dequantize_rotated(packed, norms, centroids, bits, head_dim, dtype)
+        if not (torch.equal(public, want) and public.is_contiguous()):
+            problems.append(f"{label}: the public function differs from the launch")
+    assert not problems, f"{len(problems)} failing layouts:\n" + "\n".join(problems[:8])
+
+
+@pytest.mark.parametrize("head_dim,bits,dtype", HADAMARD_CASES)
+def test_decompress_hadamard_matches_reference(head_dim, bits, dtype, poison):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rotation = random_rotation(head_dim, seed % 1000, "hadamard", device="cuda")
+    signs = hadamard_signs(head_dim, seed % 1000, device="cuda")
+    problems = []
+    for label, packed, norms, centroids in _layouts(head_dim, bits, rotation, gen, big=head_dim == 128):
+        label = f"hadamard D={head_dim} bits={bits} {dtype} {label} seed={seed}"
+        out = poison(torch.empty(packed.shape[:-1] + (head_dim,), dtype=dtype, device="cuda"))
+        kd.launch_decompress(packed, norms, centroids, bits, signs, out)
+        problems += _close_problems(label, out, packed, norms, rotation, centroids, bits, head_dim, dtype)
+        public = kd.decompress(packed, norms, rotation, centroids, bits, head_dim, dtype, signs)
+        if not torch.equal(public, out):
+            problems.append(f"{label}: the public function differs from the launch")
+    assert not problems, f"{len(problems)} failing layouts:\n" + "\n".join(problems[:8])
+
+
+@pytest.mark.parametrize("head_dim,bits,dtype", DENSE_CASES)
+def test_decompress_dense_matches_reference(head_dim, bits, dtype):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rotation = random_rotation(head_dim, seed % 1000, device="cuda")
+    problems = []
+    for label, packed, norms, centroids in _layouts(head_dim, bits, rotation, gen, big=False):
+        label = f"haar D={head_dim} bits={bits} {dtype} {label} seed={seed}"
+        got = kd.decompress(packed, norms, rotation, centroids, bits, head_dim, dtype)
+        problems += _close_problems(label, got, packed, norms, rotation, centroids, bits, head_dim, dtype)
+    assert not problems, f"{len(problems)} failing layouts:\n" + "\n".join(problems[:8])
+
+
+def test_dense_decompress_ignores_tf32_setting():
+    """With TF32 switched on by the caller, the fp32 GEMM still runs in fp32 and the setting survives."""
+    head_dim, bits = 128, 4
+    rotation = random_rotation(head_dim, 3, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    packed, norms, centroids = _codes((4096,), head_dim, bits, rotation, gen, nc=False)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    got = kd.decompress(packed, norms, rotation, centroids, bits, head_dim)
+    assert torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check_close("tf32 on", got, packed, norms, rotation, centroids, bits, head_dim, torch.float32)
+
+
+def test_unsupported_sizes_fall_back_to_the_reference():
+    rotation = random_rotation(96, 0, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    packed, norms, centroids = _codes((5,), 96, 4, rotation, gen, nc=False)
+    got = kd.decompress(packed, norms, rotation, centroids, 4, 96, torch.bfloat16)
+    assert torch.equal(got, reference_decompress(packed, norms, rotation, centroids, 4, 96, torch.bfloat16))
+    got = kd.dequantize_rotated(packed, norms, centroids, 4, 96)
+    assert torch.equal(got, reference_dequantize(packed, norms, centroids, 4, 96))
+
+
+def test_empty_input_gives_empty_output():
+    rotation = random_rotation(128, 0, "hadamard", device="cuda")
+    centroids, _ = lloyd_max_codebook(128, 4).tensors("cuda")
+    packed = torch.empty(2, 0, 64, dtype=torch.uint8, device="cuda")
+    norms = torch.empty(2, 0, device="cuda")
+    assert kd.decompress(packed, norms, rotation, centroids, 4, 128, torch.bfloat16).shape == (2, 0, 128)
+    assert kd.dequantize_rotated(packed, norms, centroids, 4, 128).shape == (2, 0, 128)
+
+
+def _good_args(**overrides):
+    head_dim, bits = 128, 4
+    centroids, _ = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    args = dict(
+        packed=torch.zeros(3, packed_size(head_dim, bits), dtype=torch.uint8, device="cuda"),
+        norms=torch.ones(3, device="cuda"),
+        rotation=random_rotation(head_dim, 0, device="cuda"),
+        centroids=centroids,
+        bits=bits,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+    )
+    args.update(overrides)
+    return args
+
+
+# Factories, not tensors: collection must not touch CUDA on machines without a GPU.
+BAD_INPUTS = [
+    (lambda: dict(packed=torch.zeros(3, 64, dtype=torch.uint8)), ValueError, r"`packed` must be a CUDA tensor.*cpu"),
+    (lambda: dict(packed=torch.zeros(3, 64, device="cuda")), ValueError, r"`packed` must have dtype uint8"),
+    (lambda: dict(packed=torch.zeros(3, 48, dtype=torch.uint8, device="cuda")), ValueError, r"`packed` must have shape \[\.\.\., 64\]"),
+    (lambda: dict(norms=torch.ones(4, device="cuda")), ValueError, r"`norms` must have shape \[3\]"),
+    (lambda: dict(norms=torch.ones(3, device="cuda", dtype=torch.float16)), ValueError, r"`norms` must have dtype float32"),
+    (lambda: dict(norms=torch.ones(3)), ValueError, r"`norms` must be a CUDA tensor.*cpu"),
+    (lambda: dict(centroids=torch.zeros(8, device="cuda")), ValueError, r"`centroids` must have shape \[16\]"),
+    (lambda: dict(rotation=torch.eye(64, device="cuda")), ValueError, r"`rotation` must have shape \[128, 128\]"),
+    (lambda: dict(dtype=torch.int8), ValueError, r"`dtype` must be one of"),
+    (lambda: dict(bits=0), ValueError, r"`bits` must be one of"),
+    (lambda: dict(hadamard_signs=torch.ones(64, device="cuda")), ValueError, r"`hadamard_signs` must have shape \[128\]"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,match", BAD_INPUTS)
+def test_bad_inputs_raise(overrides, error, match):
+    with pytest.raises(error, match=match):
+        kd.decompress(**_good_args(**overrides()))

@@ -1,0 +1,168 @@
+"""GPU tests of the paged split-K decode (``kernels/paged_decode.py``) against the reference paged decode."""
+
+import math
+
+import pytest
+import torch
+
+from flashquant_hf.codebook import lloyd_max_codebook
+from flashquant_hf.paged import PagedLayout, PagedTQCache
+from flashquant_hf.reference.paged_decode import paged_decode as reference_paged_decode
+
+DEV = "cuda"
+
+
+def centroids(head_dim: int) -> torch.Tensor:
+    return torch.tensor(lloyd_max_codebook(head_dim, 4).centroids, dtype=torch.float32, device=DEV)
+
+
+def random_store(lens, block_size, kv_heads, head_dim, seed=0):
+    """Random TQ4 blocks, shuffled block ids per sequence, int32 block table and lengths."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    layout = PagedLayout(block_size, kv_heads, head_dim)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 5
+    blocks = torch.randint(0, 256, (num_blocks, kv_heads, layout.head_block_bytes), dtype=torch.uint8,
+                           device=DEV, generator=g)
+    _, k_nrm, _, v_nrm = layout.sections(blocks)
+    k_nrm.copy_(torch.rand(k_nrm.shape, device=DEV, generator=g) * 8 + 0.5)  # finite norms everywhere
+    v_nrm.copy_(torch.rand(v_nrm.shape, device=DEV, generator=g) * 4 + 0.5)
+    perm = torch.randperm(num_blocks, device=DEV, generator=g).tolist()
+    width = max(1, max(need))
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = torch.tensor(perm[start : start + n], dtype=torch.int32)
+        start += n
+    return blocks, table.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+def check(q_rot, blocks, table, lens, block_size, tol=1e-2, max_seq_len=None):
+    from flashquant_hf.kernels.paged_decode import paged_decode
+
+    c = centroids(q_rot.shape[-1])
+    scale = q_rot.shape[-1] ** -0.5
+    out, lse = paged_decode(q_rot, blocks, table, lens, c, c, 4, 4, scale, block_size, max_seq_len)
+    ref_out, ref_lse = reference_paged_decode(q_rot.double(), blocks, table, lens, c, c, 4, 4, scale, block_size)
+    assert out.shape == q_rot.shape and lse.shape == q_rot.shape[:2]
+    assert torch.isfinite(out).all(), "NaN/Inf in out_rot"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs"
+    assert torch.all(out[~finite] == 0)
+    scale_out = ref_out.abs().max().clamp_min(1e-12)
+    err = ((out - ref_out).abs().max() / scale_out).item()
+    lse_err = (lse - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
+    print(f"max rel out err {err:.2e}, max abs lse err {lse_err:.2e}")
+    # Per-sequence relative error as well, so a wrong short sequence is not hidden by a long one's scale.
+    for s in range(q_rot.shape[0]):
+        if finite[s].all():
+            rel = ((out[s] - ref_out[s]).abs().max() / ref_out[s].abs().max().clamp_min(1e-12)).item()
+            assert rel < tol, f"sequence {s} (len {int(lens[s])}): relative error {rel:.3e}"
+    assert err < tol and lse_err < tol, (err, lse_err)
+    return out, lse
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_decode_ragged(block_size, group, head_dim):
+    lens = [1, 0, 37, 300, 2 * block_size, 4099]
+    kv_heads = 2
+    blocks, table, lens_t = random_store(lens, block_size, kv_heads, head_dim, seed=block_size * group + head_dim)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, device=DEV, dtype=torch.bfloat16)
+    check(q, blocks, table, lens_t, block_size)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_paged_decode_prefetch_distances(prefetch, monkeypatch):
+    import flashquant_hf.kernels.paged_decode as pd
+
+    monkeypatch.setattr(pd, "PREFETCH_CHUNKS", prefetch)
+    lens = [5000, 17, 1, 0, 2222]
+    blocks, table, lens_t = random_store(lens, 8, 2, 128, seed=20 + prefetch)
+    q = torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
+    check(q, blocks, table, lens_t, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_paged_decode_dtypes_long(dtype):
+    lens = [32768, 1, 9000, 16]
+    blocks, table, lens_t = random_store(lens, 16, 8, 128, seed=3)
+    q = (torch.randn(len(lens), 32, 128, device=DEV) * 2).to(dtype)
+    check(q, blocks, table, lens_t, 16)
+
+
+def test_paged_decode_head_dim_256():
+    lens = [5, 700]
+    blocks, table, lens_t = random_store(lens, 32, 1, 256, seed=4)
+    q = torch.randn(2, 4, 256, device=DEV, dtype=torch.bfloat16)
+    check(q, blocks, table, lens_t, 32)
+
+
+def test_paged_decode_all_empty_and_poisoned_outputs(monkeypatch, poison):
+    blocks, table, lens_t = random_store([0, 0], 16, 2, 128)
+    q = torch.randn(2, 8, 128, device=DEV, dtype=torch.bfloat16)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    from flashquant_hf.kernels.paged_decode import paged_decode
+
+    c = centroids(128)
+    out, lse = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.1, 16)
+    monkeypatch.undo()
+    assert torch.all(lse == -math.inf) and torch.all(out == 0)
+
+
+def test_paged_decode_poisoned_multi_split(monkeypatch, poison):
+    import flashquant_hf.kernels.paged_decode as pd
+
+    lens = [20000, 3, 0]
+    blocks, table, lens_t = random_store(lens, 16, 2, 128, seed=6)
+    q = torch.randn(3, 8, 128, device=DEV, dtype=torch.bfloat16)
+    pd._workspace.cache_clear()
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    c = centroids(128)
+    out, lse = pd.paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 128**-0.5, 16, max_seq_len=20000)
+    monkeypatch.undo()
+    ref_out, ref_lse = reference_paged_decode(q.double(), blocks, table, lens_t, c, c, 4, 4, 128**-0.5, 16)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-2 * ref_out.abs().max().item())
+
+
+def test_cache_decode_cuda_matches_reference_on_same_bytes(monkeypatch):
+    """PagedTQCache on the GPU (store + CUDA decode) == reference decode of the stored bytes. Compression goes
+    through the reference here so this test depends on the decode kernel only."""
+    import importlib
+
+    from flashquant_hf import ops
+
+    real = ops.implementation
+    monkeypatch.setattr(ops, "implementation", lambda op, *t: importlib.import_module(
+        "flashquant_hf.reference.compress") if op == "compress" else real(op, *t))
+    cache = PagedTQCache(num_blocks=64, block_size=16, num_kv_heads=2, head_dim=128, device=DEV)
+    seqs = [cache.add_sequence() for _ in range(3)]
+    cache.append(seqs, torch.randn(300, 2, 128, device=DEV, dtype=torch.bfloat16),
+                 torch.randn(300, 2, 128, device=DEV, dtype=torch.bfloat16), num_tokens=[100, 1, 199])
+    q = torch.randn(3, 8, 128, device=DEV, dtype=torch.bfloat16)
+    out, lse = cache.decode(q, seqs)
+    q_rot = (q.double() @ cache.k_quantizer.rotation(DEV).double().T)
+    c = cache.k_quantizer.centroids(DEV)
+    ref_out, ref_lse = reference_paged_decode(q_rot, cache.blocks[0], cache.block_table(seqs), cache.seq_lens(seqs),
+                                              c, cache.v_quantizer.centroids(DEV), 4, 4, 128**-0.5, 16)
+    ref = ref_out.double() @ cache.v_quantizer.rotation(DEV).double()
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    assert (lse.double() - ref_lse.double()).abs().max().item() < 1e-2
+
+
+def test_paged_decode_rejects_other_bits_and_bad_tables():
+    from flashquant_hf.kernels.paged_decode import paged_decode
+
+    blocks, table, lens_t = random_store([10], 16, 2, 128)
+    q = torch.randn(1, 4, 128, device=DEV, dtype=torch.bfloat16)
+    c = centroids(128)
+    with pytest.raises(NotImplementedError, match="4-bit"):
+        paged_decode(q, blocks, table, lens_t, c, c, 4, 3, 0.1, 16)
+    with pytest.raises(ValueError, match="`block_table` must be int32"):
+        paged_decode(q, blocks, table.long(), lens_t, c, c, 4, 4, 0.1, 16)
+    with pytest.raises(ValueError, match="`blocks` must be uint8"):
+        paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.1, 32)

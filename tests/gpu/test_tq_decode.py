@@ -1,0 +1,168 @@
+"""GPU tests of the contiguous-layout split-K decode (``kernels/tq_decode.py``) against a float64 reference."""
+
+import math
+
+import pytest
+import torch
+
+from flashquant_hf.codebook import lloyd_max_codebook
+from flashquant_hf.reference.tq_attention import tq_attention as reference_attention
+
+DEV = "cuda"
+
+
+def centroids(head_dim: int) -> torch.Tensor:
+    return torch.tensor(lloyd_max_codebook(head_dim, 4).centroids, dtype=torch.float32, device=DEV)
+
+
+def random_cache(batch, kv_heads, num_keys, head_dim, capacity_extra=0, seed=0):
+    """Random TQ4 bytes and norms as views [:, :, :N] of a larger capacity buffer (like the HF cache)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    cap = num_keys + capacity_extra
+    k = torch.randint(0, 256, (batch, kv_heads, cap, head_dim // 2), dtype=torch.uint8, device=DEV, generator=g)
+    v = torch.randint(0, 256, (batch, kv_heads, cap, head_dim // 2), dtype=torch.uint8, device=DEV, generator=g)
+    kn = torch.rand(batch, kv_heads, cap, device=DEV, generator=g) * 8 + 0.5
+    vn = torch.rand(batch, kv_heads, cap, device=DEV, generator=g) * 4 + 0.5
+    return k[:, :, :num_keys], kn[:, :, :num_keys], v[:, :, :num_keys], vn[:, :, :num_keys]
+
+
+def reference64(q_rot, cache, c, key_bias=None, scale=None):
+    """The reference op in float64 (q promoted), on the GPU to stay fast."""
+    scale = q_rot.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = reference_attention(q_rot.double(), *cache, c, c, 4, 4, scale, key_bias=key_bias)
+    return out, lse
+
+
+def assert_close_rel(out, lse, ref_out, ref_lse, tol=1e-2):
+    assert torch.isfinite(out).all(), "NaN/Inf in out_rot"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs"
+    scale = ref_out.abs().max().clamp_min(1e-12)
+    err = ((out.double() - ref_out).abs().max() / scale).item()
+    lse_err = (lse.double() - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
+    print(f"max rel out err {err:.2e}, max abs lse err {lse_err:.2e}")
+    assert err < tol, f"out_rot relative error {err:.3e}"
+    assert lse_err < tol, f"lse error {lse_err:.3e}"
+    assert torch.all(out[~finite] == 0)
+
+
+def run(q_rot, cache, c, key_bias=None, scale=None):
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    scale = q_rot.shape[-1] ** -0.5 if scale is None else scale
+    return tq_decode(q_rot, *cache, c, c, 4, 4, scale, key_bias=key_bias)
+
+
+@pytest.mark.parametrize("num_keys", [1, 7, 97, 1000, 4133])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tq_decode_matches_reference(num_keys, group, head_dim):
+    batch, kv_heads = 2, 2
+    cache = random_cache(batch, kv_heads, num_keys, head_dim, capacity_extra=37, seed=num_keys + group)
+    q = torch.randn(batch, kv_heads * group, 1, head_dim, device=DEV, dtype=torch.bfloat16)
+    c = centroids(head_dim)
+    out, lse = run(q, cache, c)
+    assert out.shape == (batch, kv_heads * group, 1, head_dim) and lse.shape == (batch, kv_heads * group, 1)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert_close_rel(out, lse, *reference64(q, cache, c))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_tq_decode_query_dtypes(dtype):
+    cache = random_cache(3, 4, 2000, 128, seed=5)
+    q = (torch.randn(3, 16, 1, 128, device=DEV) * 2).to(dtype)
+    c = centroids(128)
+    assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
+
+
+@pytest.mark.parametrize("magnitude", [1e-6, 1e5])
+def test_tq_decode_query_scale_outside_fp16_range(magnitude):
+    """Queries far outside fp16's range (fp32 input) are rescaled by a power of two inside the kernel."""
+    cache = random_cache(2, 2, 600, 128, seed=13)
+    q = torch.randn(2, 8, 1, 128, device=DEV) * magnitude
+    scale = 128**-0.5 / magnitude  # same scores as unit queries
+    c = centroids(128)
+    out, lse = run(q, cache, c, scale=scale)
+    assert_close_rel(out, lse, *reference64(q, cache, c, scale=scale))
+
+
+def test_tq_decode_long_context_gqa4():
+    cache = random_cache(2, 8, 32768, 128, seed=7)
+    q = torch.randn(2, 32, 1, 128, device=DEV, dtype=torch.bfloat16)
+    c = centroids(128)
+    assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
+
+
+def test_tq_decode_head_dim_256_and_group_16():
+    cache = random_cache(1, 2, 777, 256, seed=8)
+    q = torch.randn(1, 32, 1, 256, device=DEV, dtype=torch.bfloat16)  # group 16: two CTAs per KV head
+    c = centroids(256)
+    assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
+
+
+def test_tq_decode_non_contiguous_query_and_norms():
+    k, kn, v, vn = random_cache(2, 2, 300, 128, seed=9)
+    kn_t = kn.transpose(0, 1).contiguous().transpose(0, 1)  # other stride order, same values
+    q_big = torch.randn(2, 8, 3, 128, device=DEV, dtype=torch.bfloat16)
+    q = q_big[:, :, 1:2]  # a non-contiguous query view
+    c = centroids(128)
+    cache = (k, kn_t, v, vn)
+    assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
+
+
+def test_tq_decode_key_bias_padding():
+    batch, num_keys = 3, 500
+    cache = random_cache(batch, 2, num_keys, 128, seed=11)
+    q = torch.randn(batch, 8, 1, 128, device=DEV, dtype=torch.bfloat16)
+    bias = torch.zeros(batch, num_keys, device=DEV)
+    bias[0, :123] = -math.inf  # left padding
+    bias[1, 17::3] = -math.inf  # holes
+    bias[2] = -math.inf  # a row that sees nothing: lse -inf, out 0
+    c = centroids(128)
+    out, lse = run(q, cache, c, bias)
+    assert torch.all(lse[2] == -math.inf) and torch.all(out[2] == 0)
+    assert_close_rel(out, lse, *reference64(q, cache, c, bias))
+
+
+def test_tq_decode_outputs_poisoned_before_launch(monkeypatch, poison):
+    """The kernel must write every output element: make torch.empty hand out NaN-filled buffers."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        return poison(real_empty(*args, **kwargs))
+
+    cache = random_cache(2, 2, 5000, 128, seed=12)  # several splits -> workspace + merge
+    q = torch.randn(2, 8, 1, 128, device=DEV, dtype=torch.bfloat16)
+    c = centroids(128)
+    import flashquant_hf.kernels.paged_decode as pd
+
+    pd._workspace.cache_clear()
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    out, lse = run(q, cache, c)
+    monkeypatch.undo()
+    assert_close_rel(out, lse, *reference64(q, cache, c))
+
+
+def test_tq_decode_empty_cache():
+    cache = random_cache(2, 2, 0, 128)
+    q = torch.randn(2, 4, 1, 128, device=DEV, dtype=torch.bfloat16)
+    out, lse = run(q, cache, centroids(128))
+    assert torch.all(lse == -math.inf) and torch.all(out == 0)
+
+
+def test_tq_decode_validation_errors():
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    k, kn, v, vn = random_cache(1, 2, 10, 128)
+    c = centroids(128)
+    q = torch.randn(1, 4, 1, 128, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="`k_packed` must be torch.uint8"):
+        tq_decode(q, k.float(), kn, v, vn, c, c, 4, 4, 0.1)
+    with pytest.raises(ValueError, match="multiple of the KV heads"):
+        tq_decode(q[:, :3], k, kn, v, vn, c, c, 4, 4, 0.1)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        tq_decode(q[..., :96], k, kn, v, vn, c, c, 4, 4, 0.1)
+    with pytest.raises(NotImplementedError, match="4-bit"):
+        tq_decode(q, k, kn, v, vn, c, c, 2, 4, 0.1)
+    with pytest.raises(ValueError, match="`key_bias` must be"):
+        tq_decode(q, k, kn, v, vn, c, c, 4, 4, 0.1, key_bias=torch.zeros(1, 11, device=DEV))

@@ -1,0 +1,191 @@
+"""CUDA fused TurboQuant prefill attention vs float64 attention on the same decompressed inputs."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from flashquant_hf.codebook import lloyd_max_codebook
+from flashquant_hf.kernels import loader
+from flashquant_hf.kernels import tq_prefill as tqp
+from flashquant_hf.reference.tq_attention import tq_attention as reference
+
+DEV = "cuda"
+
+
+def make_inputs(batch, q_heads, kv_heads, q_len, kv_len, head_dim, k_bits, v_bits, seed, q_dtype=torch.bfloat16,
+                bias="none"):
+    """Random rotated queries and a compressed cache: packed bytes / norms are views ``[:, :, :N]`` of a larger
+    capacity buffer. Keys are scaled so that scores have unit-order spread."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    cap = kv_len + 23
+
+    def packed(bits):
+        nbytes = tqp.packed_bytes(head_dim, bits)
+        return torch.randint(0, 256, (batch, kv_heads, cap, nbytes), generator=gen, device=DEV,
+                             dtype=torch.uint8)[:, :, :kv_len]
+
+    def norms(lo, hi):
+        return (lo + (hi - lo) * torch.rand(batch, kv_heads, cap, generator=gen, device=DEV))[:, :, :kv_len]
+
+    q_rot = torch.randn(batch, q_heads, q_len, head_dim, generator=gen, device=DEV).to(q_dtype)
+    k_c = lloyd_max_codebook(head_dim, k_bits).tensors(DEV)[0]
+    v_c = lloyd_max_codebook(head_dim, v_bits).tensors(DEV)[0]
+    key_bias = None
+    if bias != "none":
+        pad = torch.rand(batch, kv_len, generator=gen, device=DEV) < 0.3
+        key_bias = torch.where(pad, float("-inf"), 0.0)
+        if bias == "alibi":
+            key_bias = key_bias - 0.01 * torch.arange(kv_len, device=DEV).flip(0)
+        if batch > 1:
+            key_bias[0] = float("-inf")  # a sequence whose keys are all padding
+    return dict(q_rot=q_rot, k_packed=packed(k_bits), k_norms=norms(0.5, 1.5) * head_dim ** 0.5 * 0.8,
+                v_packed=packed(v_bits), v_norms=norms(0.2, 2.0), k_centroids=k_c, v_centroids=v_c,
+                k_bits=k_bits, v_bits=v_bits, scale=head_dim ** -0.5, key_bias=key_bias)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    """Compile every instantiation this module launches up front, in parallel (NVRTC releases the GIL)."""
+    names = {tqp.name_expression(d, kb, vb, tqp.DEFAULT_CONFIGS[d]) for d, pairs in BITS.items() for kb, vb in pairs}
+    names |= {tqp.name_expression(128, 4, 4, c) for c in tqp.CANDIDATE_CONFIGS[128]}
+    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            list(pool.map(lambda n: loader.get_kernel(tqp.CUDA_SOURCE, n, device), sorted(names)))
+    except Exception as error:  # noqa: BLE001 - the tests compile lazily instead and report the real error
+        print(f"parallel precompile failed: {error!r}")
+
+
+def run_poisoned(config, splits, causal, inp):
+    """Launch into NaN-filled partial buffers, then merge like the wrapper does."""
+    batch, q_heads, q_len, head_dim = inp["q_rot"].shape
+    out = torch.full((splits, batch, q_heads, q_len, head_dim), float("nan"), device=DEV)
+    lse = torch.full((splits, batch, q_heads, q_len), float("nan"), device=DEV)
+    tqp.launch_tq_prefill(**{k: v for k, v in inp.items()}, causal=causal, out=out, lse=lse, config=config,
+                          splits=splits)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten partial output"
+    if splits == 1:
+        return out[0], lse[0]
+    from flashquant_hf.reference.split_k import merge_partials
+    return merge_partials(out, lse)
+
+
+def assert_matches(out, lse, inp, causal, label=""):
+    # The kernel documents its bf16 query conversion: the oracle gets the same bf16 values in float64.
+    ref_inp = dict(inp, q_rot=inp["q_rot"].to(torch.bfloat16).double())
+    ref_out, ref_lse = reference(**ref_inp, causal=causal)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert not torch.isnan(out).any(), f"NaN in out {label}"
+    assert not torch.isnan(lse).any(), f"NaN in lse {label}"
+    diff = out.double() - ref_out.double()
+    rel = (diff.norm() / ref_out.double().norm().clamp_min(1e-30)).item()
+    max_abs = diff.abs().max().item()
+    scale_ref = ref_out.abs().max().item()
+    print(f"{label} rel={rel:.2e} max_abs={max_abs:.2e} (max |ref| {scale_ref:.2e})")
+    assert rel < 1e-2, f"relative error {rel:.3e} {label}"
+    assert max_abs <= 3e-2 * max(scale_ref, 1e-6), f"max abs error {max_abs:.3e} {label}"
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen), f"-inf pattern of lse differs {label}"
+    assert torch.all(lse[~seen] == -math.inf)
+    if seen.any():
+        lse_err = (lse[seen].double() - ref_lse[seen].double()).abs().max().item()
+        bound = 1e-2 * max(1.0, ref_lse[seen].abs().max().item())  # bf16 centroids: relative, not absolute
+        assert lse_err < bound, f"lse error {lse_err:.3e} > {bound:.3e} {label}"
+    assert torch.all(out[~seen] == 0), f"rows that see no key must be 0 {label}"
+
+
+CASES = [
+    # (B, Hq, H_kv, Lq, N, causal, bias)
+    (1, 1, 1, 1, 1, False, "none"),       # one key, one query
+    (2, 8, 2, 37, 300, True, "none"),     # GQA 4, tiles not full, offset diagonal
+    (1, 4, 4, 130, 97, True, "pad"),      # Lq > N: first rows see nothing; padding bias
+    (2, 8, 1, 16, 1000, True, "alibi"),   # GQA 8, a batch row fully padded, general additive bias
+    (1, 2, 1, 64, 64, False, "none"),
+]
+BITS = {
+    128: [(4, 4), (2, 2), (3, 3), (4, 2), (2, 3)],
+    64: [(4, 4), (3, 3)],
+    256: [(4, 4), (3, 2)],
+}
+
+
+@pytest.mark.parametrize("head_dim, k_bits, v_bits", [(d, kb, vb) for d, pairs in BITS.items() for kb, vb in pairs])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_H{}x{}_L{}_N{}_{}_{}".format(*c[:5], "causal" if c[5] else "full", c[6]))
+def test_matches_float64(head_dim, k_bits, v_bits, case):
+    batch, q_heads, kv_heads, q_len, kv_len, causal, bias = case
+    inp = make_inputs(batch, q_heads, kv_heads, q_len, kv_len, head_dim, k_bits, v_bits,
+                      seed=sum(map(ord, repr(case))) + head_dim + k_bits, bias=bias)
+    out, lse = run_poisoned(tqp.DEFAULT_CONFIGS[head_dim], 1, causal, inp)
+    assert_matches(out, lse, inp, causal, f"D={head_dim} k{k_bits}v{v_bits} {case}")
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_split_keys_merge(splits):
+    inp = make_inputs(2, 8, 2, 45, 900, 128, 4, 4, seed=splits, bias="pad")
+    out, lse = run_poisoned(tqp.DEFAULT_CONFIGS[128], splits, True, inp)
+    assert_matches(out, lse, inp, True, f"splits={splits}")
+
+
+@pytest.mark.parametrize("config", tqp.CANDIDATE_CONFIGS[128], ids=lambda c: c.label())
+@pytest.mark.parametrize("case", [(1, 32, 8, 100, 700, True), (2, 4, 4, 3, 257, False)])
+def test_every_candidate_tiling(config, case):
+    batch, q_heads, kv_heads, q_len, kv_len, causal = case
+    inp = make_inputs(batch, q_heads, kv_heads, q_len, kv_len, 128, 4, 4, seed=21)
+    out, lse = run_poisoned(config, 2, causal, inp)
+    assert_matches(out, lse, inp, causal, f"{config.label()} {case}")
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_public_function_query_dtypes(q_dtype):
+    """Through the public entry point: automatic split count, fp16/bf16/fp32 queries."""
+    inp = make_inputs(1, 32, 8, 200, 3000, 128, 4, 4, seed=4, q_dtype=q_dtype)
+    out, lse = tqp.tq_prefill(**inp, causal=True)
+    assert out.shape == inp["q_rot"].shape and lse.shape == inp["q_rot"].shape[:3]
+    assert_matches(out, lse, inp, True, f"public {q_dtype}")
+
+
+def test_unaligned_packed_rows_are_read():
+    """TQ3 rows of 24 bytes in a buffer with an odd row stride: no 4-byte alignment, so the wrapper copies."""
+    inp = make_inputs(1, 2, 1, 20, 150, 64, 3, 3, seed=8)
+    wide = torch.randint(0, 256, (1, 1, 150, 25), device=DEV, dtype=torch.uint8)
+    inp["k_packed"] = wide[..., :24]
+    out, lse = tqp.tq_prefill(**inp, causal=True)
+    assert_matches(out, lse, inp, True, "odd row stride")
+
+
+def test_dispatch_through_tq_attention():
+    from flashquant_hf.kernels.tq_attention import tq_attention
+
+    inp = make_inputs(1, 4, 2, 33, 200, 64, 4, 4, seed=9)
+    out, lse = tq_attention(**inp, causal=True)
+    assert_matches(out, lse, inp, True, "kernels.tq_attention")
+
+
+@pytest.mark.parametrize(
+    "field, value, error, match",
+    [
+        ("k_bits", 1, ValueError, "k_bits"),
+        ("q_rot", "x", TypeError, "q_rot"),
+        ("k_norms", "half", ValueError, "k_norms"),
+        ("v_packed", "short", ValueError, "v_packed"),
+        ("k_centroids", "wrong_len", ValueError, "k_centroids"),
+        ("key_bias", "wrong_len", ValueError, "key_bias"),
+        ("scale", 0.0, ValueError, "scale"),
+    ],
+)
+def test_invalid_inputs_raise(field, value, error, match):
+    inp = make_inputs(1, 4, 2, 8, 40, 128, 4, 4, seed=0)
+    if value == "half":
+        value = inp[field].half()
+    elif value == "short":
+        value = inp[field][:, :, :10]
+    elif value == "wrong_len":
+        value = torch.zeros(3, device=DEV) if field == "k_centroids" else torch.zeros(1, 39, device=DEV)
+    inp[field] = value
+    with pytest.raises(error, match=match):
+        tqp.tq_prefill(**inp)

@@ -1,0 +1,115 @@
+"""TurboQuantConfig: defaults, FLASHQUANT_* environment variables, precedence, validation, the docs table."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from flashquant_hf import TurboQuantConfig
+from flashquant_hf.config import env_var, field_names
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "hf_integration.md"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in field_names():
+        monkeypatch.delenv(env_var(name), raising=False)
+
+
+def test_defaults_are_the_measured_best():
+    cfg = TurboQuantConfig()
+    assert (cfg.bits, cfg.key_bits, cfg.value_bits) == (4, 4, 4)
+    assert cfg.residual_length == 128
+    assert cfg.norm_correction is True
+    assert (cfg.sink_tokens, cfg.key_centering, cfg.value_centering) == (0, False, False)
+    assert (cfg.rotation, cfg.seed, cfg.backend) == ("haar", 0, "auto")
+    assert (cfg.key_seed, cfg.value_seed) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        ("bits", "3", 3),
+        ("key_bits", "2", 2),
+        ("value_bits", "1", 1),
+        ("residual_length", "0", 0),
+        ("sink_tokens", "4", 4),
+        ("key_centering", "true", True),
+        ("value_centering", "1", True),
+        ("norm_correction", "off", False),
+        ("rotation", "Hadamard", "hadamard"),
+        ("seed", "7", 7),
+        ("backend", "torch", "torch"),
+    ],
+)
+def test_every_field_reads_its_environment_variable(monkeypatch, name, text, expected):
+    monkeypatch.setenv(env_var(name), text)
+    assert getattr(TurboQuantConfig(), name) == expected
+
+
+def test_explicit_arguments_win_over_environment(monkeypatch):
+    monkeypatch.setenv("FLASHQUANT_BITS", "2")
+    monkeypatch.setenv("FLASHQUANT_RESIDUAL_LENGTH", "5")
+    cfg = TurboQuantConfig(bits=3)
+    assert (cfg.bits, cfg.key_bits, cfg.value_bits, cfg.residual_length) == (3, 3, 3, 5)
+
+
+def test_key_and_value_bits_follow_bits_unless_set():
+    cfg = TurboQuantConfig(bits=2, value_bits=4)
+    assert (cfg.key_bits, cfg.value_bits) == (2, 4)
+    again = cfg.replace(bits=3)
+    assert (again.key_bits, again.value_bits) == (3, 3)
+    assert cfg.replace(residual_length=0).value_bits == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"bits": 5}, "bits"),
+        ({"key_bits": 0}, "key_bits"),
+        ({"value_bits": True}, "value_bits"),
+        ({"residual_length": -1}, "residual_length"),
+        ({"sink_tokens": 1.5}, "sink_tokens"),
+        ({"key_centering": 1}, "key_centering"),
+        ({"rotation": "dct"}, "rotation"),
+        ({"backend": "tpu"}, "backend"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        TurboQuantConfig(**kwargs)
+
+
+def test_invalid_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("FLASHQUANT_BITS", "five")
+    with pytest.raises(ValueError, match="FLASHQUANT_BITS"):
+        TurboQuantConfig()
+    monkeypatch.setenv("FLASHQUANT_BITS", "9")
+    with pytest.raises(ValueError, match="FLASHQUANT_BITS"):
+        TurboQuantConfig()
+
+
+def test_replace_rejects_unknown_fields():
+    with pytest.raises(TypeError, match="nbits"):
+        TurboQuantConfig().replace(nbits=3)
+
+
+def test_config_is_a_frozen_dataclass():
+    cfg = TurboQuantConfig(bits=3)
+    assert dataclasses.asdict(cfg)["value_bits"] == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.bits = 2
+    assert cfg == TurboQuantConfig(bits=3)
+
+
+def test_docs_table_lists_every_field_and_variable():
+    text = DOC.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    documented = {re.match(r"\| `(\w+)`", row).group(1): row for row in rows}
+    for name in field_names():
+        assert name in documented, f"docs/hf_integration.md has no table row for `{name}`"
+        assert env_var(name) in documented[name], f"the row of `{name}` does not name {env_var(name)}"

@@ -1,0 +1,164 @@
+"""generate() with TurboQuantCache: identical to DynamicCache while nothing is compressed (every decoding mode),
+and working with compression active (every token compressed, windows shorter than the chunks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_helpers import PAD, cache_kwargs, prompt_ids, tiny_model
+from transformers import DynamicCache
+
+from flashquant_hf import TurboQuantCache
+
+NEW = 10
+LONG_WINDOW = 1024  # longer than prompt + generated tokens: nothing is ever compressed
+
+
+def _generate(model, cache, input_ids, seed: int | None = None, **kwargs):
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.inference_mode():
+        return model.generate(input_ids, max_new_tokens=NEW, **cache_kwargs(model, cache), **kwargs)
+
+
+def _padded_batch():
+    """Three prompts of lengths 9, 5, 7, left-padded with PAD."""
+    lengths = [9, 5, 7]
+    ids = torch.full((3, 9), PAD, dtype=torch.long)
+    mask = torch.zeros((3, 9), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, 9 - n :] = prompt_ids(1, n, seed=row)
+        mask[row, 9 - n :] = 1
+    return ids, mask
+
+
+MODES = {
+    "greedy": dict(do_sample=False),
+    "beam": dict(do_sample=False, num_beams=3),
+    "sampling": dict(do_sample=True, top_k=0, temperature=1.3, num_return_sequences=2),
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_eager"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_identical_to_dynamic_cache_while_nothing_is_compressed(family, mode):
+    model = tiny_model(family)
+    ids = prompt_ids(2, 8, seed=1)
+    expected = _generate(model, DynamicCache(), ids, seed=123, **MODES[mode])
+    got = _generate(model, TurboQuantCache(residual_length=LONG_WINDOW), ids, seed=123, **MODES[mode])
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_eager"])
+def test_identical_to_dynamic_cache_on_a_left_padded_batch(family):
+    model = tiny_model(family)
+    ids, mask = _padded_batch()
+    expected = _generate(model, DynamicCache(), ids, attention_mask=mask, do_sample=False)
+    got = _generate(model, TurboQuantCache(residual_length=LONG_WINDOW), ids, attention_mask=mask, do_sample=False)
+    assert torch.equal(got, expected)
+
+
+def test_identical_to_dynamic_cache_with_an_assistant_model():
+    model = tiny_model("llama")
+    assistant = tiny_model("llama", seed=1, num_hidden_layers=1)
+    ids = prompt_ids(1, 8, seed=2)
+    expected = _generate(model, DynamicCache(), ids, assistant_model=assistant, do_sample=False)
+    plain = _generate(model, DynamicCache(), ids, do_sample=False)
+    got = _generate(model, TurboQuantCache(residual_length=LONG_WINDOW), ids, assistant_model=assistant, do_sample=False)
+    assert torch.equal(got, expected) and torch.equal(got, plain)
+
+
+def test_identical_to_dynamic_cache_over_two_turns():
+    model = tiny_model("llama")
+    ids = prompt_ids(1, 6, seed=3)
+    outputs = []
+    for cache in (DynamicCache(), TurboQuantCache(residual_length=LONG_WINDOW)):
+        first = _generate(model, cache, ids, do_sample=False)
+        follow_up = torch.cat([first, prompt_ids(1, 4, seed=4)], dim=1)
+        outputs.append(_generate(model, cache, follow_up, do_sample=False))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("residual", [0, 3])
+def test_generate_runs_with_compression_active(mode, residual):
+    """Beam reordering, sample expansion and decode through the compressed path; results stay close to exact."""
+    model = tiny_model("llama")
+    ids = prompt_ids(2, 8, seed=5)
+    cache = TurboQuantCache(residual_length=residual)
+    got = _generate(model, cache, ids, seed=7, **MODES[mode])
+    rows = 2 * MODES[mode].get("num_return_sequences", 1)
+    assert got.shape == (rows, 8 + NEW)
+    layer = cache.layers[0]
+    assert layer.num_compressed == 8 + NEW - 1 - residual and layer.batch_size == rows * MODES[mode].get("num_beams", 1)
+
+
+def test_assisted_generation_with_compression_active_crops_the_store():
+    model = tiny_model("llama")
+    assistant = tiny_model("llama", seed=1, num_hidden_layers=1)
+    ids = prompt_ids(1, 8, seed=6)
+    cache = TurboQuantCache(residual_length=2)
+    got = _generate(model, cache, ids, assistant_model=assistant, do_sample=False)
+    assert got.shape == (1, 8 + NEW)
+    assert cache.get_seq_length() == 8 + NEW - 1
+
+
+def test_left_padded_rows_match_their_unpadded_runs_with_compression_active():
+    """Padding reaches the compressed part as a key bias: each row decodes as if it were alone."""
+    model = tiny_model("llama")
+    ids, mask = _padded_batch()
+    batched = _generate(model, TurboQuantCache(residual_length=0), ids, attention_mask=mask, do_sample=False)
+    for row in range(3):
+        start = int((mask[row] == 0).sum())
+        alone = _generate(model, TurboQuantCache(residual_length=0), ids[row : row + 1, start:], do_sample=False)
+        agree = (batched[row, -NEW:] == alone[0, -NEW:]).float().mean().item()
+        assert agree >= 0.8, (row, batched[row], alone[0])
+
+
+def test_attn_implementation_turboquant_is_registered():
+    model = tiny_model("llama")
+    ids = prompt_ids(1, 8, seed=8)
+    expected = _generate(model, DynamicCache(), ids, do_sample=False)
+    got_exact = _generate(model, TurboQuantCache(residual_length=LONG_WINDOW), ids, do_sample=False)
+    model.set_attn_implementation("turboquant")
+    try:
+        got = _generate(model, TurboQuantCache(residual_length=LONG_WINDOW), ids, do_sample=False)
+        compressed = _generate(model, TurboQuantCache(residual_length=0), ids, do_sample=False)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(got, expected) and torch.equal(got_exact, expected)
+    sdpa_compressed = _generate(model, TurboQuantCache(residual_length=0), ids, do_sample=False)
+    assert torch.equal(compressed, sdpa_compressed)
+
+
+def test_unsupported_attention_implementation_raises_a_clear_error():
+    from transformers.modeling_utils import AttentionInterface
+
+    model = tiny_model("llama")
+    ids = prompt_ids(1, 6, seed=9)
+    cache = TurboQuantCache(residual_length=0)
+    AttentionInterface.register("my_kernel", AttentionInterface._global_mapping["sdpa"]._flashquant_original)
+    TurboQuantCache()  # wraps functions registered since the last install
+    model.set_attn_implementation("my_kernel")
+    try:
+        with pytest.raises(NotImplementedError, match="'my_kernel'"):
+            _generate(model, cache, ids, do_sample=False)
+    finally:
+        model.set_attn_implementation("sdpa")
+        AttentionInterface._global_mapping.pop("my_kernel")
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identical_to_dynamic_cache(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer("The quick brown fox", return_tensors="pt").input_ids
+    expected = _generate(model, DynamicCache(), ids, do_sample=False)
+    got = _generate(model, TurboQuantCache(residual_length=LONG_WINDOW), ids, do_sample=False)
+    assert torch.equal(got, expected)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from flashquant_hf.models import load_smollm2
+
+    return load_smollm2()
