@@ -208,7 +208,7 @@ __device__ __forceinline__ float stored_norm(float n, float csq, bool norm_corre
 #endif
 
 template <int D, typename T>
-constexpr int hadamard_lanes() {
+__host__ __device__ constexpr int hadamard_lanes() {
 #ifdef FQ_HADAMARD_LANES_128
     constexpr int lanes128 = FQ_HADAMARD_LANES_128;
 #else

@@ -471,6 +471,8 @@ class TurboQuantLayer(CacheLayerMixin):
 
         Tokens that had already aged into the compressed part stay compressed after a crop.
         """
+        if isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.numel() == 1:
+            tokens_to_remove = int(tokens_to_remove)  # transformers 5.17's assisted decoding passes a tensor
         if not isinstance(tokens_to_remove, int) or isinstance(tokens_to_remove, bool):
             raise TypeError(f"`tokens_to_remove` must be an int, got {type(tokens_to_remove).__name__}")
         if tokens_to_remove > 0:

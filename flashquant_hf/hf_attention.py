@@ -27,6 +27,7 @@ compressed part instead (correct, slower: it rebuilds the compressed K/V in rota
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from typing import Any, Callable
@@ -353,6 +354,7 @@ def _adopt(module, tag: FirstPrefillTag, key: torch.Tensor, value: torch.Tensor)
 def _model_eager(module) -> Callable:
     """The model's own eager attention (what transformers falls back to for ``"eager"``)."""
     forward = getattr(type(module), "forward", None)
+    forward = inspect.unwrap(forward) if forward is not None else None  # past transformers' decorators
     fn = getattr(forward, "__globals__", {}).get("eager_attention_forward")
     if fn is None:
         fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)

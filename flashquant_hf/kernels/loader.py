@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -70,6 +71,16 @@ def _as_kernel_arg(value: Any) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=64)
+def _external_stream(pointer: int, device_index: int):
+    """CuPy view of a torch stream, cached: wrapping it anew costs microseconds on every launch."""
+    import cupy
+
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream in favour of a newer spelling
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(pointer, device_index)
+
+
 def launch(
     kernel,
     grid: tuple[int, ...],
@@ -89,5 +100,5 @@ def launch(
     with cupy.cuda.Device(index):
         if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
             kernel.max_dynamic_shared_size_bytes = shared_mem
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
+        stream = _external_stream(torch.cuda.current_stream(index).cuda_stream, index)
         kernel(grid, block, tuple(_as_kernel_arg(a) for a in args), shared_mem=shared_mem, stream=stream)
