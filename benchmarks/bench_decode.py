@@ -10,7 +10,8 @@ median per call, SDPA timed the same way:
   overlap (the Python + CuPy wrapper costs tens of microseconds per call; see ``*_cpu_us_per_call``).
 
 SDPA gets its fastest GQA form (``enable_gqa``, the group folded into the query length, or pre-expanded K/V).
-The split plan and the L2 prefetch distance are swept first and the best pair is used for the headline rows.
+The CTA shape (4 or 8 warps) and the L2 prefetch distance are swept first and the best pair is used for the
+headline rows. ``*_cpu_us_per_call`` is the host time per call (fast cached launch vs CuPy's launch).
 """
 
 from __future__ import annotations
@@ -151,10 +152,15 @@ def _paged_sets(batch, keys, block_size, dev):
             for seed in range(copies_to_exceed_l2(tq_bytes))]
 
 
-def _set_tuning(pd, prefetch, factor):
+def _set_tuning(pd, warps, prefetch):
+    pd.WARPS = warps
     pd.PREFETCH_CHUNKS = prefetch
-    pd.SLOT_FACTOR = factor
-    pd.plan_decode.cache_clear()
+    pd.clear_caches()
+
+
+def _plan(pd, index, batch, keys, log2_bs):
+    mode = pd.MODE_PAGED if log2_bs is not None else pd.MODE_CONTIGUOUS
+    return pd._launch_for(mode, HEAD_DIM, 1, index, (batch, KV_HEADS, 1), batch * Q_HEADS, keys, log2_bs).plan
 
 
 def run(record) -> None:
@@ -172,27 +178,28 @@ def run(record) -> None:
     def paged_fn(keys, block_size=BLOCK_SIZE):
         return lambda s: pd.paged_decode(s[3], s[0], s[1], s[2], c, c, 4, 4, scale, block_size, keys)
 
-    # Sweep: L2 prefetch distance x planned CTA slots, GPU time, on every config; keep the best geometric mean.
-    kernel, resident = pd._prepared_kernel(pd.kernel_name(HEAD_DIM, 1, pd.MODE_PAGED), index)
-    print(f"    resident CTAs/SM {resident}, regs {kernel.num_regs}, SMs {pd._sm_count(index)}")
-    grid = [(p, f) for p in (0, 1, 2, 3) for f in (1.0, 2.0, 3.0)]
+    # Sweep: warps per CTA x L2 prefetch distance, GPU time, on every config; keep the best geometric mean.
+    for warps in pd.WARP_CHOICES:
+        kernel, resident = pd._prepared_kernel(pd.kernel_name(HEAD_DIM, 1, pd.MODE_PAGED, warps), index)
+        print(f"    W={warps}: resident CTAs/SM {resident}, regs {kernel.num_regs}, SMs {pd._sm_count(index)}")
+    grid = [(w, p) for w in pd.WARP_CHOICES for p in (0, 1, 2)]
     scores = {key: 0.0 for key in grid}
     for batch, keys, tag, _ in CONFIGS:
         sets = _paged_sets(batch, keys, BLOCK_SIZE, dev)
         line = []
-        for prefetch, factor in grid:
-            _set_tuning(pd, prefetch, factor)
+        for warps, prefetch in grid:
+            _set_tuning(pd, warps, prefetch)
             ms = _gpu_ms(paged_fn(keys), sets, reps=15)
-            scores[(prefetch, factor)] += math.log(ms)
-            line.append(f"pf{prefetch}/x{factor:g}={ms * 1e3:.1f}")
+            scores[(warps, prefetch)] += math.log(ms)
+            line.append(f"w{warps}/pf{prefetch}={ms * 1e3:.1f}")
         print(f"    sweep {tag} (us): " + " ".join(line))
         del sets
         torch.cuda.empty_cache()
-    best_prefetch, best_factor = min(scores, key=scores.get)
-    _set_tuning(pd, best_prefetch, best_factor)
-    print(f"    chosen: PREFETCH_CHUNKS={best_prefetch}, SLOT_FACTOR={best_factor}")
+    best_warps, best_prefetch = min(scores, key=scores.get)
+    _set_tuning(pd, best_warps, best_prefetch)
+    print(f"    chosen: WARPS={best_warps}, PREFETCH_CHUNKS={best_prefetch}")
+    record("decode_tuned_warps", best_warps, "warps")
     record("decode_tuned_prefetch_chunks", best_prefetch, "chunks")
-    record("decode_tuned_slot_factor", best_factor, "x")
 
     sdpa_b8 = None
     for batch, keys, tag, target in CONFIGS:
@@ -203,8 +210,7 @@ def run(record) -> None:
         wall = _time_per_call(paged, sets)
         cpu_us = _cpu_us_per_call(paged, sets)
         sdpa, sdpa_wall, variant, all_sdpa = _sdpa_ms(batch, keys, dev)
-        plan = pd.plan_decode(batch * KV_HEADS, keys, HEAD_DIM,
-                              max(1, int(resident * pd._sm_count(index) * pd.SLOT_FACTOR)), BLOCK_SIZE.bit_length() - 1)
+        plan = _plan(pd, index, batch, keys, BLOCK_SIZE.bit_length() - 1)
         print(f"    {tag}: plan {plan}, sdpa {all_sdpa} -> {variant}")
         record(f"paged_decode_ms_{tag}", ms, "ms")
         record(f"sdpa_decode_ms_{tag}", sdpa, "ms")
@@ -244,3 +250,20 @@ def run(record) -> None:
     record("fused_decode_speedup_b8_n32k", sdpa_b8 / ms, "x", ">= 2.5")
     record("fused_decode_hbm_fraction_b8_n32k", tq_bytes / (ms * 1e-3) / (bw * 1e9), "fraction")
     record("fused_decode_wall_ms_b8_n32k", _time_per_call(fused, sets), "ms")
+    default_launch = pd.FAST_LAUNCH
+    for fast, suffix in ((True, "fast_launch"), (False, "cupy_launch")):
+        pd.FAST_LAUNCH = fast
+        record(f"fused_decode_cpu_us_per_call_b8_n32k_{suffix}", _cpu_us_per_call(fused, sets), "us")
+    pd.FAST_LAUNCH = default_launch
+    del sets
+    torch.cuda.empty_cache()
+
+    # Host cost of one per-layer call in a decode loop (B=1, 4K keys: the GPU finishes before the host).
+    small = [(*_contiguous_set(1, 4096, dev, seed), torch.randn(1, Q_HEADS, 1, HEAD_DIM, device=dev,
+                                                                dtype=torch.bfloat16)) for seed in range(2)]
+    record("fused_decode_gpu_ms_b1_n4k", _gpu_ms(fused, small), "ms")
+    for fast, suffix in ((True, "fast_launch"), (False, "cupy_launch")):
+        pd.FAST_LAUNCH = fast
+        record(f"fused_decode_wall_ms_b1_n4k_{suffix}", _time_per_call(fused, small), "ms")
+        record(f"fused_decode_cpu_us_per_call_b1_n4k_{suffix}", _cpu_us_per_call(fused, small), "us")
+    pd.FAST_LAUNCH = default_launch

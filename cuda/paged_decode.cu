@@ -1,6 +1,6 @@
 // Split-K FlashDecoding over a TQ4-compressed KV cache (paged store or contiguous per-layer layout).
 //
-// One CTA (4 warps) serves up to 8 query heads of one KV head for one key range ("split") of one sequence, so
+// One CTA (4 or 8 warps) serves up to 8 query heads of one KV head for one key range ("split") of one sequence, so
 // the K/V bytes are read once under GQA. Both products run on tensor cores (mma.sync m16n8k16, fp32 accumulate):
 //
 //   S^T = K Q^T   A = 16 keys x 16 dims built from packed nibbles, B = Q^T (8 head slots), C = keys x heads
@@ -22,14 +22,14 @@
 // normalised partial output and its natural-log lse (-inf, out 0 for an empty split); split_k_reduce.cu merges.
 //
 // Template parameters: D head dim (64/128/256), QK query dtype (0 fp16 -> fp16 mma, 1 bf16, 2 fp32 -> bf16 mma),
-// MODE 0 contiguous, 1 contiguous + key_bias, 2 paged. Paged and contiguous differ only in address computation.
+// MODE 0 contiguous, 1 contiguous + key_bias, 2 paged (paged and contiguous differ only in address computation),
+// W warps per CTA: 4 (two 16-key tiles per warp iteration, 168 registers, 3 CTAs per SM) or 8 (D <= 128 only: one
+// tile per iteration in <= 128 registers, 2 CTAs x 8 warps per SM sharing one pair of tables per CTA).
 
 namespace fqd {
 
 typedef unsigned int u32;
 
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kLutBytes = 256 * 32 * 4;  // one byte->pair table, one 4-byte copy per lane
@@ -38,18 +38,22 @@ constexpr int kPagesOffset = 2 * kLutBytes;
 enum { kQHalf = 0, kQBf16 = 1, kQFloat = 2 };
 enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 
-template <int D>
+template <int D, int W = 4>
 struct Traits {
   static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+  static_assert(W == 4 || (W == 8 && D <= 128), "4 warps, or 8 warps for head_dim <= 128");
+  static constexpr int kWarps = W;
+  static constexpr int kThreads = 32 * W;
   static constexpr int kSteps = D / 16;    // k-steps of S^T = K Q^T
   static constexpr int kMTiles = D / 16;   // m-tiles of O^T = V^T P^T
   static constexpr int kKBytes = D / 8;    // bytes of a key row held by one lane (a quarter of D/2)
   static constexpr int kVBytes = D / 16;   // bytes of a value row held by one lane (an eighth of D/2)
   static constexpr int kKWords = kKBytes / 4;
   static constexpr int kVWords = kVBytes / 4;
-  static constexpr int kTiles = D == 256 ? 1 : 2;  // 16-key tiles per warp iteration (more spills)
+  // 16-key tiles per warp iteration: 2 need ~168 registers (D = 256: spills), so 8-warp CTAs take 1.
+  static constexpr int kTiles = (D == 256 || W == 8) ? 1 : 2;
   static constexpr int kChunk = 16 * kTiles;
-  static constexpr int kMinBlocks = D == 256 ? 2 : 3;
+  static constexpr int kMinBlocks = W == 8 ? 2 : (D == 256 ? 2 : 3);
   static_assert(kVWords >= 1 && kKWords >= 2, "lane slices are whole words");
 };
 
@@ -163,7 +167,7 @@ __device__ __forceinline__ u32 byte_of(u32 w) {
 }
 
 // This lane's view of one byte->pair table: entry e of lane l lives at e * 128 + l * 4 (bank = lane).
-// The entry stride is read from blockDim.x (== kThreads == 128): an opaque multiplier keeps the address on
+// The entry stride (128) is derived from blockDim.x: an opaque multiplier keeps the address on
 // the FMA pipe as one IMAD (byte * stride + lane base) instead of an ALU shift-add, so a lookup costs
 // 1 ALU + 1 IMAD + 1 LDS. The lane base is a 32-bit shared address hidden from the optimiser so that it is
 // not split again into "shared window base + lane offset" (one more add per lookup).
@@ -299,12 +303,12 @@ struct WarpState {
 };
 
 // One warp iteration: kTiles tiles of 16 keys starting at ts0.
-template <int D, bool F16PV, int MODE>
-__device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&tiles)[Traits<D>::kTiles],
+template <int D, int W, bool F16PV, int MODE>
+__device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&tiles)[Traits<D, W>::kTiles],
                                               const u32 (&qf)[Traits<D>::kSteps][2], const Lut& lut_k,
                                               const Lut& lut_v, int ts0, int end,
                                               float scale_log2, int g) {
-  using T = Traits<D>;
+  using T = Traits<D, W>;
   float s[T::kTiles][4];
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
@@ -432,8 +436,8 @@ __device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&
 
 // Grid (splits, H_kv * head_groups, batch); block kThreads. Output row of query head hq of sequence b is
 // b * num_q_heads + hq; partial s of a row lives at part_out[(s * rows + row) * D], part_lse[s * rows + row].
-template <int D, int QK, int MODE>
-__global__ void __launch_bounds__(kThreads, Traits<D>::kMinBlocks)
+template <int D, int QK, int MODE, int W>
+__global__ void __launch_bounds__(Traits<D, W>::kThreads, Traits<D, W>::kMinBlocks)
 tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, long long q_sd,
                  const unsigned char* __restrict__ k_idx, long long k_sb, long long k_sh, long long k_sn,
                  const float* __restrict__ k_nrm, long long kn_sb, long long kn_sh, long long kn_sn,
@@ -445,7 +449,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
                  const float* __restrict__ k_cent, const float* __restrict__ v_cent, float scale_log2,
                  int num_q_heads, int group, int split_len, float* __restrict__ part_out,
                  float* __restrict__ part_lse, int rows, int prefetch) {
-  using T = Traits<D>;
+  using T = Traits<D, W>;
+  constexpr int kWarps = T::kWarps, kThreads = T::kThreads;
   // S^T = K Q^T always runs in fp16 (3 more mantissa bits than bf16 for the key centroids; queries are scaled
   // by a power of two into fp16 range). P V runs in fp16 for fp16 queries and in bf16 (range-safe for large
   // value norms) otherwise.
@@ -555,8 +560,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 
   __syncthreads();  // tables and pages are ready
 
-  const Lut lut_k(smem, lane, blockDim.x);
-  const Lut lut_v(smem + kLutBytes, lane, blockDim.x);
+  const Lut lut_k(smem, lane, blockDim.x / (W / 4));
+  const Lut lut_v(smem + kLutBytes, lane, blockDim.x / (W / 4));
   const int last = s1 - 1;
   const int nchunks = (s1 - s0 + T::kChunk - 1) / T::kChunk;
   Tile<D> bufa[T::kTiles], bufb[T::kTiles];
@@ -582,7 +587,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     }
     int cp = c + (prefetch + 1) * kWarps;
     if (prefetch > 0 && cp < nchunks) kv.prefetch_chunk(s0 + cp * T::kChunk, last, T::kChunk);
-    process_chunk<D, F16PV, MODE>(st, bufa, qf, lut_k, lut_v, s0 + c * T::kChunk, s1, scale_log2, g);
+    process_chunk<D, W, F16PV, MODE>(st, bufa, qf, lut_k, lut_v, s0 + c * T::kChunk, s1, scale_log2, g);
     c = cn;
     if (c >= nchunks) break;
     cn = c + kWarps;
@@ -592,7 +597,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     }
     cp = c + (prefetch + 1) * kWarps;
     if (prefetch > 0 && cp < nchunks) kv.prefetch_chunk(s0 + cp * T::kChunk, last, T::kChunk);
-    process_chunk<D, F16PV, MODE>(st, bufb, qf, lut_k, lut_v, s0 + c * T::kChunk, s1, scale_log2, g);
+    process_chunk<D, W, F16PV, MODE>(st, bufb, qf, lut_k, lut_v, s0 + c * T::kChunk, s1, scale_log2, g);
     c = cn;
   }
 
@@ -603,7 +608,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     st.l[1] += __shfl_xor_sync(0xffffffffu, st.l[1], off);
   }
 
-  // Merge the 4 warps through shared memory (the tables are dead now).
+  // Merge the W warps through shared memory (the tables are dead now).
   __syncthreads();
   float* red_acc = reinterpret_cast<float*>(smem);            // [kWarps][8][D]
   float* red_m = red_acc + kWarps * 8 * D;                    // [kWarps][8]

@@ -18,7 +18,7 @@ import logging
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
@@ -28,11 +28,15 @@ from .backend import resolve_backend
 from .config import TurboQuantConfig
 from .quantizer import FLOAT_DTYPES, TurboQuantizer
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
 logger = logging.getLogger(__name__)
 
 STORE_GROWTH = 1.25  # compressed store: amortised O(1) copies per token, <= 25% slack
 STORE_ROUND = 256  # tokens; a 32K prefill leaves room for 128+ decode steps before the first regrowth
 WINDOW_SLACK = 64  # extra window capacity: the live range is moved to the front once every 64 tokens
+WINDOW_EAGER = 1024  # windows up to this capacity are allocated at full size at once
 TAG = "_flashquant"  # attribute set on the K/V tensors that update() returns
 
 
@@ -65,10 +69,11 @@ class TokenBuffer:
     and the live range is moved back to the front when the end is reached (amortised O(1) per token).
     """
 
-    def __init__(self, growth: float, round_to: int, max_capacity: int | None = None):
+    def __init__(self, growth: float, round_to: int, max_capacity: int | None = None, min_capacity: int = 0):
         self.growth = growth
         self.round_to = round_to
         self.max_capacity = max_capacity
+        self.min_capacity = min_capacity
         self.tensors: tuple[torch.Tensor, ...] = ()
         self.start = 0
         self.length = 0
@@ -88,14 +93,21 @@ class TokenBuffer:
         return tuple(t[:, :, self.start : self.start + self.length] for t in self.tensors)
 
     def _new_capacity(self, need: int) -> int:
-        grown = max(need, math.ceil(self.capacity * self.growth))
+        grown = max(need, math.ceil(self.capacity * self.growth), self.min_capacity)
         grown = -(-grown // self.round_to) * self.round_to
         if self.max_capacity is not None:
             grown = min(grown, self.max_capacity)
         return max(grown, need)
 
+    def _make_writable(self) -> None:
+        # Tensors made under torch.inference_mode() cannot be written in place outside it (a cache prefilled in
+        # inference mode, then decoded under no_grad): copy them once into ordinary tensors.
+        if self.tensors and self.tensors[0].is_inference() and not torch.is_inference_mode_enabled():
+            self.tensors = tuple(t.clone() for t in self.tensors)
+
     def reserve(self, count: int, like: tuple[torch.Tensor, ...]) -> None:
         """Make room for ``count`` more tokens at the end (``like``: one example tensor per buffer)."""
+        self._make_writable()
         need = self.length + count
         if self.tensors and self.start + need <= self.capacity:
             return
@@ -136,6 +148,7 @@ class TokenBuffer:
 
     def reorder(self, index: torch.Tensor) -> None:
         """Permute the batch of the live tokens in place (``index`` has one entry per batch row)."""
+        self._make_writable()
         for t in self.tensors:
             live = t[:, :, self.start : self.start + self.length]
             live.copy_(live.index_select(0, index.to(t.device)))
@@ -156,10 +169,6 @@ class TokenBuffer:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> None:
         """Move every tensor to ``device``."""
         self.tensors = tuple(t.to(device, non_blocking=non_blocking) for t in self.tensors)
-
-    def clear(self) -> None:
-        """Drop every tensor."""
-        self.tensors, self.start, self.length = (), 0, 0
 
 
 # --------------------------------------------------------------------------------------------- the layer
@@ -202,7 +211,13 @@ class TurboQuantLayer(CacheLayerMixin):
     is_croppable = True
     is_sliding = False
 
-    def __init__(self, config: TurboQuantConfig | None = None, layer_idx: int | None = None, cache=None, **kwargs):
+    def __init__(
+        self,
+        config: TurboQuantConfig | None = None,
+        layer_idx: int | None = None,
+        cache: Cache | None = None,
+        **kwargs: Any,
+    ):
         # CacheLayerMixin.__init__ would assign `keys`/`values`, which this layer does not have.
         self.config = config if config is not None else TurboQuantConfig()
         self.layer_idx = layer_idx
@@ -238,7 +253,11 @@ class TurboQuantLayer(CacheLayerMixin):
         cfg = self.config
         self.sinks = TokenBuffer(growth=1.0, round_to=1, max_capacity=cfg.sink_tokens)
         self.store = TokenBuffer(growth=STORE_GROWTH, round_to=STORE_ROUND)
-        self.window = TokenBuffer(growth=2.0, round_to=16, max_capacity=cfg.residual_length + WINDOW_SLACK)
+        # A full window holds R tokens; the slack lets the oldest ones be dropped 64 times between two moves.
+        window_capacity = cfg.residual_length + WINDOW_SLACK
+        self.window = TokenBuffer(
+            growth=2.0, round_to=16, max_capacity=window_capacity, min_capacity=min(window_capacity, WINDOW_EAGER)
+        )
         self.key_mean: torch.Tensor | None = None
         self.value_mean: torch.Tensor | None = None
         self._pending: CompressedPlan | None = None
@@ -335,6 +354,10 @@ class TurboQuantLayer(CacheLayerMixin):
         attention. Tokens pushed out of the window are compressed before this returns.
         """
         self._check_states(key_states, value_states)
+        with torch.no_grad():  # the cache is inference-only: stored tensors must not keep autograd history
+            return self._store(key_states, value_states)
+
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cfg = self.config
@@ -403,7 +426,8 @@ class TurboQuantLayer(CacheLayerMixin):
         """Sinks followed by the window, concatenated (contiguous ``[B, H_kv, S + W, D]`` each)."""
         parts = [views for views in (self.sinks.views(), self.window.views()) if views and views[0].shape[2]]
         if not parts:
-            empty = torch.empty((self.batch_size, self.num_heads, 0, self.head_dim), dtype=self.dtype, device=self.device)
+            shape = (self.batch_size, self.num_heads, 0, self.head_dim)
+            empty = torch.empty(shape, dtype=self.dtype, device=self.device)
             return empty, empty.clone()
         return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
 
@@ -567,7 +591,7 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 NO_ATTENTION_LAYER_TYPES = ("dummy", "moe", "mlp")
 
 
-def layer_types_of(model_config) -> list[tuple[str, dict]]:
+def layer_types_of(model_config: "PreTrainedConfig") -> list[tuple[str, dict]]:
     """(layer_type, layer kwargs) per decoder layer of ``model_config``; ValueError for what TurboQuant cannot serve."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -613,13 +637,21 @@ class TurboQuantCache(Cache):
     >>> # model.generate(input_ids, past_key_values=cache)
     """
 
-    def __init__(self, config: TurboQuantConfig | Any = None, *, model_config=None, **overrides: Any):
+    def __init__(
+        self,
+        config: "TurboQuantConfig | PreTrainedConfig | None" = None,
+        *,
+        model_config: "PreTrainedConfig | None" = None,
+        **overrides: Any,
+    ):
         from transformers import PreTrainedConfig
 
         if isinstance(config, PreTrainedConfig):
             config, model_config = None, config
         if config is not None and not isinstance(config, TurboQuantConfig):
-            raise TypeError(f"`config` must be a TurboQuantConfig or a transformers config, got {type(config).__name__}")
+            raise TypeError(
+                f"`config` must be a TurboQuantConfig or a transformers config, got {type(config).__name__}"
+            )
         if config is None:
             config = TurboQuantConfig(**overrides)
         elif overrides:
@@ -680,7 +712,9 @@ class TurboQuantCache(Cache):
         return total
 
     # ---- learning the model's layer types during the first forward (cache built without model_config)
-    def adopt_model_config(self, model_config, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def adopt_model_config(
+        self, model_config: "PreTrainedConfig", layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
         """Type the layers from ``model_config`` (once); ``key_states``/``value_states``: exact K/V of ``layer_idx``.
 
         Layers already built as TurboQuantLayer but meant to be sliding are converted when their exact K/V are

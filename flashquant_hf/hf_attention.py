@@ -42,6 +42,7 @@ NAME = "turboquant"  # no "flash" in it: see the module docstring
 ROUTED = ("sdpa", "eager")  # implementations whose compressed calls are served by the flashquant attention
 # Attention arguments that change the math and that the compressed path does not implement.
 UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "head_mask")
+ROW_BLOCK = 256  # query rows per block when a multi-token chunk's mask is checked
 
 _originals: dict[str, Callable | None] = {}
 _warned: set[str] = set()
@@ -54,12 +55,8 @@ def _warn_once(key: str, message: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------- masks
-def mask_to_bias(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int) -> torch.Tensor | None:
-    """An additive fp32 bias ``[B, Lq, kv_len]`` (0 where visible, -inf where masked) from a 4D mask, or None.
-
-    Boolean masks (sdpa) mark visible keys with True; float masks (eager) are additive, with values at or
-    below half the dtype's minimum meaning "masked".
-    """
+def check_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """The 4D mask as ``[B or 1, Lq, kv_len]`` (a view), after checking its shape; None stays None."""
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor):
@@ -78,13 +75,24 @@ def mask_to_bias(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv
             f"`attention_mask` must have shape [{batch} or 1, 1, {q_len}, {kv_len}] (queries x every cached token); "
             f"got {shape} (per-head masks are not supported)"
         )
-    mask = attention_mask[:, 0]
+    return attention_mask[:, 0]
+
+
+def as_bias(mask: torch.Tensor) -> torch.Tensor:
+    """An additive fp32 bias (0 where visible, -inf where masked) from a mask slice.
+
+    Boolean masks (sdpa) mark visible keys with True; float masks (eager) are additive, with values at or
+    below half the dtype's minimum meaning "masked".
+    """
     if mask.dtype == torch.bool:
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
-    else:
-        masked = mask <= torch.finfo(mask.dtype).min / 2
-        bias = mask.float().masked_fill(masked, float("-inf"))
-    return bias.expand(batch, q_len, kv_len)
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask.float().masked_fill(mask <= torch.finfo(mask.dtype).min / 2, float("-inf"))
+
+
+def mask_to_bias(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """:func:`as_bias` of the whole checked mask, ``[B, Lq, kv_len]`` fp32 (tests and small masks)."""
+    mask = check_mask(attention_mask, batch, q_len, kv_len)
+    return None if mask is None else as_bias(mask).expand(batch, q_len, kv_len)
 
 
 def _causal(q_len: int, kv_len: int, diagonal: int, device: torch.device) -> torch.Tensor:
@@ -167,7 +175,13 @@ def _compressed_fast(
     q_len = query.shape[2]
     for rows, causal in ((slice(0, first_causal_rows), True), (slice(first_causal_rows, q_len), False)):
         if rows.stop > rows.start:
-            out, lse = impl.tq_attention(q_rot[:, :, rows].contiguous(), *args, causal=causal, key_bias=key_bias)
+            q_rows = q_rot[:, :, rows].contiguous()
+            try:
+                out, lse = impl.tq_attention(q_rows, *args, causal=causal, key_bias=key_bias)
+            except NotImplementedError as error:  # a kernel without this specialisation (e.g. 3-bit decode)
+                _warn_once(f"fallback-{error}", f"flashquant: {error}; using the PyTorch reference tq_attention")
+                impl = implementation("tq_attention", "torch")
+                out, lse = impl.tq_attention(q_rows, *args, causal=causal, key_bias=key_bias)
             outs.append(out)
             lses.append(lse)
     out_rot = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
@@ -224,12 +238,22 @@ def _uncenter(
     return out, lse
 
 
-def _is_regular(block: torch.Tensor, key_bias: torch.Tensor, visible: torch.Tensor | None) -> bool:
-    """Whether the mask block ``[B, Lq, Nc]`` equals ``key_bias [B, Nc]`` restricted to ``visible [Lq, Nc]``."""
-    expected = key_bias[:, None, :].expand_as(block)
-    if visible is not None:
-        expected = expected.masked_fill(~visible, float("-inf"))
-    return torch.equal(block, expected)
+def _is_regular(mask: torch.Tensor, cols: slice, key_bias: torch.Tensor, diagonal: int | None) -> bool:
+    """Whether every row of ``mask[:, :, cols]`` is ``key_bias`` restricted by the causal structure.
+
+    ``diagonal``: query i sees compressed key j iff ``j <= diagonal + i`` (None: no causal structure). Checked in
+    blocks of rows so a long chunk never materialises a float copy of the whole mask block.
+    """
+    q_len, n_keys = mask.shape[1], cols.stop - cols.start
+    for r0 in range(0, q_len, ROW_BLOCK):
+        r1 = min(q_len, r0 + ROW_BLOCK)
+        block = as_bias(mask[:, r0:r1, cols])
+        expected = key_bias[: block.shape[0], None, :].expand(block.shape[0], r1 - r0, n_keys)
+        if diagonal is not None:
+            expected = expected.masked_fill(~_causal(r1 - r0, n_keys, diagonal + r0, mask.device), float("-inf"))
+        if not torch.equal(block, expected):
+            return False
+    return True
 
 
 def compressed_attention(
@@ -269,27 +293,30 @@ def compressed_attention(
     total = n_sink + n_comp + n_win
     scale = float(scaling) if scaling is not None else head_dim**-0.5
     dev = query.device
-    bias = mask_to_bias(attention_mask, batch, q_len, total)
+    mask = check_mask(attention_mask, batch, q_len, total)
     # Without a mask a single causal query sees everything: no bias to build (the decode fast path).
-    all_visible = bias is None and (q_len == 1 or not is_causal)
+    all_visible = mask is None and (q_len == 1 or not is_causal)
 
     # Compressed part: the causal structure + a per-key bias, unless the mask says otherwise.
-    block = bias[:, :, n_sink : n_sink + n_comp] if bias is not None else None
-    key_bias = block[:, -1].contiguous() if block is not None else None
-    structure = None
-    if is_causal and q_len > 1:
-        structure = _causal(q_len, n_comp, n_comp + n_win - q_len, dev)
-    regular = block is None or q_len == 1 or _is_regular(block, key_bias, structure)
+    comp = slice(n_sink, n_sink + n_comp)
+    key_bias = as_bias(mask[:, -1, comp]).expand(batch, n_comp).contiguous() if mask is not None else None
+    diagonal = n_comp + n_win - q_len if is_causal else None
+    regular = mask is None or q_len == 1 or _is_regular(mask, comp, key_bias, diagonal)
     if softcap is None and regular:
         first_causal_rows = min(max(q_len - n_win, 0), q_len) if is_causal else 0
         out_c, lse_c = _compressed_fast(layer, query, key_bias, first_causal_rows, scale)
     else:
         if not regular:
             _warn_once("irregular", "flashquant: a mask that is not causal + padding takes the slower exact torch path")
-        if block is None:
+        if softcap is not None and query.is_cuda:
+            _warn_once("softcap", "flashquant: soft-capped attention (Gemma-2) dequantizes the compressed part in "
+                       "torch every step; the fused kernels do not soft-cap")
+        if mask is not None:
+            block = as_bias(mask[:, :, comp]).expand(batch, q_len, n_comp)
+        else:
             block = torch.zeros((batch, q_len, n_comp), device=dev)
-            if structure is not None:
-                block = block.masked_fill(~structure, float("-inf"))
+            if diagonal is not None and q_len > 1:
+                block = block.masked_fill(~_causal(q_len, n_comp, diagonal, dev), float("-inf"))
         out_c, lse_c = _compressed_torch(layer, query, block, scale, softcap)
 
     # Exact parts: sinks at positions [0, S), window at [S + Nc, total).
@@ -304,8 +331,8 @@ def compressed_attention(
         return out.transpose(1, 2).to(query.dtype).contiguous()
     keys = torch.cat([p[0] for p in parts], dim=2) if len(parts) > 1 else parts[0][0]
     values = torch.cat([p[1] for p in parts], dim=2) if len(parts) > 1 else parts[0][1]
-    if bias is not None:
-        exact_bias = torch.cat([bias[:, :, p[2]] for p in parts], dim=-1) if len(parts) > 1 else bias[:, :, parts[0][2]]
+    if mask is not None:
+        exact_bias = as_bias(torch.cat([mask[:, :, p[2]] for p in parts], dim=-1)).expand(batch, q_len, -1)
     elif all_visible:
         exact_bias = None
     else:
@@ -339,7 +366,8 @@ def _serve_compressed(module, query, plan, attention_mask, name, dropout=0.0, sc
     cache = plan.layer._cache_ref() if plan.layer._cache_ref is not None else None
     if cache is not None:
         cache.announce(name)
-    out = compressed_attention(plan, query, attention_mask, scaling=scaling, softcap=softcap, is_causal=causal)
+    with torch.no_grad():  # inference-only; also lets cached rotations made under inference_mode be used
+        out = compressed_attention(plan, query, attention_mask, scaling=scaling, softcap=softcap, is_causal=causal)
     return out, None
 
 
@@ -371,7 +399,9 @@ def _sdpa_or_exact(module, query, key, value, attention_mask, dropout=0.0, scali
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if softcap is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     batch, _, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     bias = mask_to_bias(attention_mask, batch, q_len, kv_len)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -101,3 +102,16 @@ def prompt_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     """Random token ids in [3, VOCAB) of shape [batch, length]."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run torch on one thread: decode steps of tiny models gain nothing from a second one, and on an
+    oversubscribed runner every OpenMP region of a 2-thread pool waits for a descheduled thread (measured here:
+    10-20 ms per small op, a 256-step SmolLM2 decode 14x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_helpers import one_thread
 
 from flashquant_hf import TurboQuantCache, TurboQuantConfig, TurboQuantLayer
 from flashquant_hf.cache import TAG, CompressedPlan, FirstPrefillTag, quantizer
 from flashquant_hf.hf_attention import compressed_attention, install, mask_to_bias
 
 B, H, D = 2, 2, 16
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
 
 
 def _kv(length: int, batch: int = B, heads: int = H, dim: int = D, dtype=torch.float32, seed: int | None = None):
@@ -110,7 +117,8 @@ def test_window_buffer_stays_bounded():
 def test_nbytes_counts_every_tensor():
     layer = _layer(residual_length=4, sink_tokens=2, key_centering=True, value_centering=True)
     _fill(layer, [300])
-    expected = sum(t.numel() * t.element_size() for buf in (layer.sinks, layer.store, layer.window) for t in buf.tensors)
+    buffers = (layer.sinks, layer.store, layer.window)
+    expected = sum(t.numel() * t.element_size() for buf in buffers for t in buf.tensors)
     expected += 2 * B * H * D * 4  # the two fp32 means
     assert layer.nbytes == expected
     per_token_compressed = H * B * 2 * (D * 4 // 8 + 4)
@@ -256,8 +264,10 @@ def _causal_mask(batch, q_len, total, pad: list[int] | None = None, as_float: to
     ],
 )
 @pytest.mark.parametrize("q_heads", [2, 6])  # MHA and GQA (3 query heads per KV head)
-@pytest.mark.parametrize("mask_kind", ["none", "padding", "eager_float"])
-def test_compressed_attention_matches_float64_over_dequantized_kv(residual, sinks, chunks, q_len, kc, vc, q_heads, mask_kind):
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "eager_float", "broadcast"])
+def test_compressed_attention_matches_float64_over_dequantized_kv(
+    residual, sinks, chunks, q_len, kc, vc, q_heads, mask_kind
+):
     layer = _layer(residual_length=residual, sink_tokens=sinks, key_centering=kc, value_centering=vc)
     _fill(layer, chunks, seed=3)
     out_k, _ = layer.update(*_kv(q_len, seed=77))
@@ -269,8 +279,11 @@ def test_compressed_attention_matches_float64_over_dequantized_kv(residual, sink
         mask = _causal_mask(B, q_len, total, pad=[0, 3])
     elif mask_kind == "eager_float":
         mask = _causal_mask(B, q_len, total, pad=[2, 0], as_float=torch.float32)
+    elif mask_kind == "broadcast":
+        mask = _causal_mask(1, q_len, total)
     keys, values = layer.dequantize(torch.float64)
-    expected = _reference(query, keys, values, mask_to_bias(_causal_mask(B, q_len, total) if mask is None else mask, B, q_len, total), 0.3)
+    full_mask = _causal_mask(B, q_len, total) if mask is None else mask
+    expected = _reference(query, keys, values, mask_to_bias(full_mask, B, q_len, total), 0.3)
     got = compressed_attention(plan, query, mask, scaling=0.3)
     assert got.shape == (B, q_len, q_heads, D) and got.dtype == query.dtype
     err = (got.double() - expected).abs().max().item()
@@ -294,6 +307,25 @@ def test_compressed_attention_soft_capping_and_irregular_masks_are_exact():
         expected = _reference(query, keys, values, bias, 0.25, softcap)
         got = compressed_attention(plan, query, mask, scaling=0.25, softcap=softcap)
         assert (got.double() - expected).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_compressed_attention_long_chunk_checks_the_mask_in_row_blocks(sliding):
+    """A 300-token chunk (more than one 256-row block) over a compressed prefix, with padding."""
+    layer = _layer(residual_length=8)
+    _fill(layer, [40])
+    out_k, _ = layer.update(*_kv(300, seed=6))
+    plan = getattr(out_k, TAG)
+    total = layer.get_seq_length()
+    mask = _causal_mask(B, 300, total, pad=[0, 5])
+    if sliding:  # irregular: the last rows no longer see the first compressed keys
+        rows = torch.arange(total - 300, total)[:, None]
+        mask &= (torch.arange(total)[None, :] > rows - 200)[None, None]
+    query = torch.randn(B, 4, 300, D)
+    keys, values = layer.dequantize(torch.float64)
+    expected = _reference(query, keys, values, mask_to_bias(mask, B, 300, total), 0.25)
+    got = compressed_attention(plan, query, mask, scaling=0.25)
+    assert (got.double() - expected).abs().max().item() < 2e-5
 
 
 def test_compressed_attention_half_precision_model():

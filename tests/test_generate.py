@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_helpers import PAD, cache_kwargs, prompt_ids, tiny_model
+from hf_helpers import PAD, cache_kwargs, one_thread, prompt_ids, tiny_model
 from transformers import DynamicCache
 
-from flashquant_hf import TurboQuantCache
+from flashquant_hf import TurboQuantCache, hf_attention
 
 NEW = 10
 LONG_WINDOW = 1024  # longer than prompt + generated tokens: nothing is ever compressed
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
 
 
 def _generate(model, cache, input_ids, seed: int | None = None, **kwargs):
@@ -64,7 +70,8 @@ def test_identical_to_dynamic_cache_with_an_assistant_model():
     ids = prompt_ids(1, 8, seed=2)
     expected = _generate(model, DynamicCache(), ids, assistant_model=assistant, do_sample=False)
     plain = _generate(model, DynamicCache(), ids, do_sample=False)
-    got = _generate(model, TurboQuantCache(residual_length=LONG_WINDOW), ids, assistant_model=assistant, do_sample=False)
+    cache = TurboQuantCache(residual_length=LONG_WINDOW)
+    got = _generate(model, cache, ids, assistant_model=assistant, do_sample=False)
     assert torch.equal(got, expected) and torch.equal(got, plain)
 
 
@@ -146,6 +153,7 @@ def test_unsupported_attention_implementation_raises_a_clear_error():
     finally:
         model.set_attn_implementation("sdpa")
         AttentionInterface._global_mapping.pop("my_kernel")
+        hf_attention._originals.pop("my_kernel", None)
 
 
 @pytest.mark.slow
@@ -162,3 +170,16 @@ def smollm2():
     from flashquant_hf.models import load_smollm2
 
     return load_smollm2()
+
+
+def test_cache_survives_switching_between_inference_mode_no_grad_and_grad():
+    model = tiny_model("llama")
+    ids = prompt_ids(1, 12, seed=10)
+    cache = TurboQuantCache(residual_length=2)
+    with torch.inference_mode():
+        model(ids[:, :8], **cache_kwargs(model, cache), use_cache=True)
+    with torch.no_grad():
+        model(ids[:, 8:9], **cache_kwargs(model, cache), use_cache=True)
+    model(ids[:, 9:10], **cache_kwargs(model, cache), use_cache=True)
+    layer = cache.layers[0]
+    assert cache.get_seq_length() == 10 and not layer.store.tensors[0].requires_grad

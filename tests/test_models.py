@@ -5,11 +5,25 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from hf_helpers import FAMILIES, cache_kwargs, deepseek_v3_config, prompt_ids, qwen3_next_config, tiny_model
+from hf_helpers import (
+    FAMILIES,
+    cache_kwargs,
+    deepseek_v3_config,
+    one_thread,
+    prompt_ids,
+    qwen3_next_config,
+    tiny_model,
+)
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from flashquant_hf import TurboQuantCache, TurboQuantLayer
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
 
 
 def _teacher_forced_logits(model, cache, ids: torch.Tensor, prefill: int) -> torch.Tensor:
@@ -124,7 +138,8 @@ def test_smollm2_every_token_compressed_agrees_with_dynamic_cache(smollm2, engli
     prefill, steps = 128, 256
     ids = english_ids[:, : prefill + steps]
     with torch.inference_mode():  # DynamicCache's top-1 for every position, in one forward
-        expected = model(ids, **cache_kwargs(model, DynamicCache()), use_cache=True).logits[0, prefill - 1 : -1].argmax(-1)
+        logits = model(ids, **cache_kwargs(model, DynamicCache()), use_cache=True).logits
+    expected = logits[0, prefill - 1 : -1].argmax(-1)
     cache = TurboQuantCache(residual_length=0)
     got = _teacher_forced_logits(model, cache, ids, prefill)[0].argmax(-1)
     agreement = (got == expected).float().mean().item()

@@ -13,8 +13,11 @@ result directly, otherwise ``split_k_reduce.cu`` merges the partials.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,28 +26,47 @@ import torch
 
 from ..paged import BLOCK_SIZES, PagedLayout
 from .loader import get_kernel, launch
-from .split_k import launch_merge
+from .split_k import CUDA_SOURCE as MERGE_SOURCE
+from .split_k import ROWS_PER_BLOCK as MERGE_ROWS_PER_BLOCK
+from .split_k import VECTOR_HEAD_DIMS as MERGE_HEAD_DIMS
 
 CUDA_SOURCE = "paged_decode.cu"
 HEAD_DIMS = (64, 128, 256)
 QUERY_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, MODE_PAGED = 0, 1, 2
+# Warps per CTA for head_dim <= 128 (template W; head_dim 256 always runs 4). 4 is the measured configuration
+# (docs/kernels_decode.md, version 2); 8 (2 CTAs x 8 warps per SM sharing one pair of tables per CTA) is built but
+# not yet measured on a GPU: benchmarks/bench_decode.py sweeps both.
+WARPS = 4
+WARP_CHOICES = (4, 8)
+
+
+def warps_for(head_dim: int, warps: int | None = None) -> int:
+    """Warps per CTA of the instantiation used for ``head_dim`` (``warps`` overrides the tuned default)."""
+    return 4 if head_dim == 256 else (WARPS if warps is None else warps)
+
+
+def kernel_name(head_dim: int, query_kind: int, mode: int, warps: int | None = None) -> str:
+    """Name expression of one decode instantiation."""
+    return f"fqd::tq_decode_kernel<{head_dim}, {query_kind}, {mode}, {warps_for(head_dim, warps)}>"
+
+
 NAME_EXPRESSIONS: tuple[str, ...] = tuple(
-    f"fqd::tq_decode_kernel<{d}, {k}, {MODE_PAGED}>" for d in HEAD_DIMS for k in QUERY_KINDS.values()
+    kernel_name(d, k, MODE_PAGED) for d in HEAD_DIMS for k in QUERY_KINDS.values()
 )
 
-WARPS = 4
-THREADS = 32 * WARPS
 HEADS_PER_CTA = 8  # the n = 8 head slots of one mma tile
 LUT_BYTES = 2 * 256 * 32 * 4  # K and V byte->pair tables, one copy per lane
 MAX_PAGE_BYTES = 4096  # shared-memory copy of one split's block-table slice
-CHUNK = {64: 32, 128: 32, 256: 16}  # keys per warp iteration (Traits<D>::kChunk)
-MIN_BLOCKS = {64: 3, 128: 3, 256: 2}  # __launch_bounds__ minimum CTAs per SM
+GRANULE = 128  # keys per round of all warps of a CTA (Traits<D, W>::kChunk * W for every instantiation)
 # Tuned on the H200 by benchmarks/bench_decode.py (sweep of 0-3 x 1-3 over the three benchmark shapes):
 PREFETCH_CHUNKS = 1  # L2 prefetch distance, in warp iterations beyond the register prefetch (0: off)
 SLOT_FACTOR = 1.0  # planned CTA slots = SMs x resident CTAs x SLOT_FACTOR
 OVERHEAD_KEYS = 128  # per-CTA start/merge cost, in keys of streaming
 PARTIAL_KEYS = 64  # cost of writing + merging one partial result, in keys
+# Launch through cached cuLaunchKernel parameter arrays instead of CuPy's per-argument conversion. Off until a GPU
+# run has passed tests/gpu/test_*_fast_launch_matches_cupy_launch (docs/kernels_decode.md, version 3).
+FAST_LAUNCH = False
 NULL = np.uint64(0)
 LOG2E = 1.4426950408889634
 
@@ -59,11 +81,6 @@ class DecodePlan:
     slots: int
 
 
-def kernel_name(head_dim: int, query_kind: int, mode: int) -> str:
-    """Name expression of one decode instantiation."""
-    return f"fqd::tq_decode_kernel<{head_dim}, {query_kind}, {mode}>"
-
-
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -73,31 +90,32 @@ def _sm_count(device_index: int) -> int:
 def _prepared_kernel(name: str, device_index: int) -> tuple[Any, int]:
     """The kernel with its shared-memory limits raised, and how many of its CTAs fit on one SM."""
     device = torch.device("cuda", device_index)
+    warps = int(name.rstrip(">").split(",")[-1])
+    threads = 32 * warps
     kernel = get_kernel(CUDA_SOURCE, name, device)
     smem = LUT_BYTES + MAX_PAGE_BYTES + 16
     kernel.max_dynamic_shared_size_bytes = smem
     try:
-        kernel.preferred_shared_memory_carveout = 100  # 3 CTAs x ~69 KB need the largest carveout
+        kernel.preferred_shared_memory_carveout = 100  # 2-3 CTAs x ~69 KB need the largest carveout
     except Exception:  # an older CuPy without the attribute: the driver picks
         pass
-    head_dim = int(name.split("<")[1].split(",")[0])
     try:  # what the driver will actually co-schedule (registers, shared memory, carveout)
         import cupy
 
         with cupy.cuda.Device(device_index):
-            resident = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, THREADS, smem)
+            resident = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, smem)
         return kernel, max(1, int(resident))
     except Exception:
         pass
     try:
         regs = -(-int(kernel.num_regs) // 8) * 8
-        by_regs = 65536 // (regs * THREADS)
+        by_regs = 65536 // (regs * threads)
     except Exception:
-        by_regs = MIN_BLOCKS[head_dim]
+        by_regs = 2
     props = torch.cuda.get_device_properties(device_index)
     per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
     by_smem = per_sm // (smem + 1024)  # + the 1 KB the driver reserves per CTA
-    return kernel, max(1, min(by_regs, by_smem, MIN_BLOCKS[head_dim]))
+    return kernel, max(1, min(by_regs, by_smem))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -108,7 +126,7 @@ def plan_decode(units: int, max_len: int, head_dim: int, slots: int, log2_block_
     wave is ``slots`` (SMs x CTAs per SM) CTAs. Paged splits also keep their block-table slice within
     ``MAX_PAGE_BYTES``. ``max_len`` should be rounded to the granule by callers so one plan serves many steps.
     """
-    gran = CHUNK[head_dim] * WARPS
+    gran = GRANULE
     length = max(gran, -(-max_len // gran) * gran)
     max_pages = MAX_PAGE_BYTES // 4 - 1
     best: tuple[float, int, int] | None = None
@@ -140,38 +158,173 @@ def _workspace(device_index: int, splits: int, rows: int, head_dim: int) -> tupl
     )
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """Everything about one decode call that depends only on its shape: kernels, grid, plan, workspace."""
+
+    kernel: Any
+    merge: Any
+    kernel_ptr: int  # CUfunction handles (RawKernel.kernel.ptr) for the fast launch path
+    merge_ptr: int
+    grid: tuple[int, int, int]
+    threads: int
+    plan: DecodePlan
+    part_out: torch.Tensor | None
+    part_lse: torch.Tensor | None
+
+
+_LAUNCHES: dict[tuple, _Launch] = {}
+_ARG_BLOCKS: dict[int, "_ArgBlock"] = {}
+_CACHE_LIMIT = 256
+
+
+def _function_ptr(kernel: Any, index: int) -> int:
+    """The CUfunction of a CuPy RawKernel (loaded in ``index``'s primary context), or 0 for none."""
+    if kernel is None:
+        return 0
+    import cupy
+
+    with cupy.cuda.Device(index):
+        function = getattr(kernel, "kernel", kernel)  # RawKernel -> cupy.cuda.Function
+        return int(function.ptr)
+
+
+def clear_caches() -> None:
+    """Forget cached plans, workspaces and argument blocks (after changing the tuning constants)."""
+    _LAUNCHES.clear()
+    _ARG_BLOCKS.clear()
+    plan_decode.cache_clear()
+    _workspace.cache_clear()
+
+
+def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_shape: tuple[int, int, int],
+                rows: int, length: int, log2_block_size: int | None) -> _Launch:
+    key = (mode, head_dim, query_kind, index, units_shape, rows, length, log2_block_size, WARPS, SLOT_FACTOR)
+    found = _LAUNCHES.get(key)
+    if found is not None:
+        return found
+    batch, kv_heads, head_groups = units_shape
+    warps = warps_for(head_dim)
+    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index)
+    slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
+    plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
+    merge = part_out = part_lse = None
+    if plan.splits > 1:
+        part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
+        variant = head_dim if head_dim in MERGE_HEAD_DIMS else 0
+        merge = get_kernel(MERGE_SOURCE, f"fqr::split_k_merge<{variant}>", torch.device("cuda", index))
+    found = _Launch(kernel, merge, _function_ptr(kernel, index), _function_ptr(merge, index),
+                    (plan.splits, kv_heads * head_groups, batch), 32 * warps, plan, part_out, part_lse)
+    if len(_LAUNCHES) >= _CACHE_LIMIT:
+        _LAUNCHES.clear()
+    _LAUNCHES[key] = found
+    return found
+
+
+# struct codes of the kernel argument types; every argument gets an 8-byte slot (little-endian, padded).
+_CODES = {np.uint64: "Q", np.int64: "q", np.int32: "i4x", np.float32: "f4x"}
+
+
+class _ArgBlock:
+    """``cuLaunchKernel``'s parameter array of one kernel, laid out once from the first call's argument types.
+
+    A call writes every value with one ``struct.pack_into`` (a few microseconds for 39 arguments, against
+    ~1 us per argument through CuPy's conversion). The lock keeps fill + launch atomic between threads (the driver
+    copies the values at launch)."""
+
+    def __init__(self, args: tuple) -> None:
+        self.pointer_slots = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self.format = "<" + "".join(_CODES[type(_as_scalar(a))] for a in args)
+        self.buffer = ctypes.create_string_buffer(8 * len(args))
+        base = ctypes.addressof(self.buffer)
+        self.params = (ctypes.c_void_p * len(args))(*[base + 8 * i for i in range(len(args))])
+        self.address = ctypes.addressof(self.params)
+        self.lock = threading.Lock()
+
+    def fill(self, args: tuple) -> int:
+        values = list(args)
+        for i in self.pointer_slots:
+            values[i] = values[i].data_ptr()
+        struct.pack_into(self.format, self.buffer, 0, *values)
+        return self.address
+
+
+def _as_scalar(value: Any) -> np.generic:
+    if isinstance(value, torch.Tensor):
+        return np.uint64(0)
+    if isinstance(value, (bool, int)):
+        return np.int32(value)
+    if isinstance(value, float):
+        return np.float32(value)
+    return value
+
+
+def _raw_stream(index: int) -> int:
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return getter(index) if getter is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def launch_cached(kernel, function_ptr: int, grid: tuple[int, int, int], block: int, args: tuple,
+                  device_index: int, shared_mem: int = 0) -> None:
+    """Launch ``kernel`` on torch's current stream through its cached parameter array (``FAST_LAUNCH``), or
+    through CuPy (``kernels.loader.launch``) when that is off, torch's current device is another one, or the
+    driver refuses the context before launching. Every call of one kernel must pass the same argument types."""
+    if FAST_LAUNCH and torch.cuda.current_device() == device_index:
+        import cupy
+
+        block_args = _ARG_BLOCKS.get(function_ptr)
+        if block_args is None:
+            block_args = _ARG_BLOCKS[function_ptr] = _ArgBlock(args)
+        try:
+            # The kernel lives in the device's primary context, current once torch has used the device here.
+            with block_args.lock:
+                cupy.cuda.driver.launchKernel(
+                    function_ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem, _raw_stream(device_index),
+                    block_args.fill(args), 0,
+                )
+            return
+        except cupy.cuda.driver.CUDADriverError as error:  # e.g. no current context on this thread: nothing ran
+            if "CONTEXT" not in str(error):
+                raise
+    launch(kernel, grid, (block,), args, torch.device("cuda", device_index), shared_mem=shared_mem)
+
+
 def run_decode(
     mode: int, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, units_shape: tuple[int, int, int],
     group: int, max_len: int, centroids: tuple[torch.Tensor, torch.Tensor], scale: float, out: torch.Tensor,
     lse: torch.Tensor, log2_block_size: int | None = None,
 ) -> None:
-    """Plan, launch the decode kernel and (for several splits) the merge into ``out [rows, D]``, ``lse [rows]``.
+    """Plan, launch the decode kernel and (for several splits) the merge into ``out``, ``lse`` (contiguous,
+    ``rows x D`` and ``rows`` elements).
 
     ``tensor_args``: the 25 layout arguments of the kernel between the query strides and ``k_cent`` (pointers as
     tensors or ``NULL``, strides as ``np.int64``, ints as int). ``units_shape``: (batch, H_kv, head_groups).
+    The plan, workspace and argument layout are cached per shape, so repeated calls (every layer of every decode
+    step) only rewrite pointers and launch.
     """
-    device = q3.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = q3.device.index
+    if index is None:
+        index = torch.cuda.current_device()
     head_dim = q3.shape[-1]
-    batch, kv_heads, head_groups = units_shape
-    name = kernel_name(head_dim, QUERY_KINDS[q3.dtype], mode)
-    kernel, ctas_per_sm = _prepared_kernel(name, index)
-    gran = CHUNK[head_dim] * WARPS
-    slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
-    plan = plan_decode(batch * kv_heads * head_groups, -(-max_len // gran) * gran, head_dim, slots, log2_block_size)
-    rows = out.shape[0]
+    rows = lse.numel()
+    length = -(-max_len // GRANULE) * GRANULE
+    setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], index, units_shape, rows, length, log2_block_size)
+    plan = setup.plan
     if plan.splits == 1:
         part_out, part_lse = out, lse
     else:
-        part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
+        part_out, part_lse = setup.part_out, setup.part_lse
     args = (
         q3, np.int64(q_strides[0]), np.int64(q_strides[1]), np.int64(q_strides[2]), *tensor_args,
         centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, plan.split_len,
         part_out, part_lse, rows, PREFETCH_CHUNKS,
     )
-    launch(kernel, (plan.splits, kv_heads * head_groups, batch), (THREADS,), args, device, shared_mem=plan.shared_mem)
+    launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
     if plan.splits > 1:
-        launch_merge(part_out, part_lse, out, lse)
+        merge_args = (part_out, np.int64(rows * head_dim), np.int64(head_dim), part_lse, np.int64(rows), np.int64(1),
+                      out, lse, plan.splits, rows, head_dim)
+        launch_cached(setup.merge, setup.merge_ptr, (-(-rows // MERGE_ROWS_PER_BLOCK), 1, 1), 32 * MERGE_ROWS_PER_BLOCK,
+                      merge_args, index)
 
 
 def check_query(q_rot: torch.Tensor, rank: int, layout: str) -> None:
@@ -266,12 +419,12 @@ def paged_decode(
     kv_heads = layout.num_kv_heads
     group = q_heads // kv_heads
     max_len = int(seq_lens.max()) if max_seq_len is None and num_seqs else int(max_seq_len or 0)
-    out = torch.empty(num_seqs * q_heads, head_dim, dtype=torch.float32, device=q_rot.device)
-    lse = torch.empty(num_seqs * q_heads, dtype=torch.float32, device=q_rot.device)
+    out = torch.empty(num_seqs, q_heads, head_dim, dtype=torch.float32, device=q_rot.device)
+    lse = torch.empty(num_seqs, q_heads, dtype=torch.float32, device=q_rot.device)
     if max_len <= 0 or num_seqs == 0:
         out.zero_()
         lse.fill_(-math.inf)
-        return out.view(num_seqs, q_heads, head_dim), lse.view(num_seqs, q_heads)
+        return out, lse
     zero = np.int64(0)
     tensor_args = (
         blocks, zero, zero, zero,  # k_idx = block base; the kernel derives every section from it
@@ -286,4 +439,4 @@ def paged_decode(
         MODE_PAGED, q_rot, tuple(q_rot.stride()), tensor_args, (num_seqs, kv_heads, -(-group // HEADS_PER_CTA)),
         group, max_len, (k_centroids, v_centroids), float(scale), out, lse, layout.log2_block_size,
     )
-    return out.view(num_seqs, q_heads, head_dim), lse.view(num_seqs, q_heads)
+    return out, lse

@@ -20,12 +20,13 @@ from .paged_decode import (
     QUERY_KINDS,
     check_codebooks,
     check_query,
+    kernel_name,
     run_decode,
 )
 
 CUDA_SOURCE = "paged_decode.cu"
 NAME_EXPRESSIONS: tuple[str, ...] = tuple(
-    f"fqd::tq_decode_kernel<{d}, {k}, {m}>"
+    kernel_name(d, k, m)
     for d in HEAD_DIMS
     for k in QUERY_KINDS.values()
     for m in (MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS)
@@ -105,12 +106,13 @@ def tq_decode(
     batch, q_heads, _, head_dim = q_rot.shape
     kv_heads, num_keys = k_packed.shape[1], k_packed.shape[2]
     group = q_heads // kv_heads
-    out = torch.empty(batch * q_heads, head_dim, dtype=torch.float32, device=q_rot.device)
-    lse = torch.empty(batch * q_heads, dtype=torch.float32, device=q_rot.device)
+    # Allocated in their final shapes (contiguous, row = b * Hq + h): no views per call.
+    out = torch.empty(batch, q_heads, 1, head_dim, dtype=torch.float32, device=q_rot.device)
+    lse = torch.empty(batch, q_heads, 1, dtype=torch.float32, device=q_rot.device)
     if num_keys == 0 or batch == 0:
         out.zero_()
         lse.fill_(-math.inf)
-        return out.view(batch, q_heads, 1, head_dim), lse.view(batch, q_heads, 1)
+        return out, lse
     i64 = np.int64
     ks, kns, vs, vns = k_packed.stride(), k_norms.stride(), v_packed.stride(), v_norms.stride()
     if key_bias is None:
@@ -131,4 +133,4 @@ def tq_decode(
         mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, (batch, kv_heads, -(-group // HEADS_PER_CTA)), group,
         num_keys, (k_centroids, v_centroids), float(scale), out, lse,
     )
-    return out.view(batch, q_heads, 1, head_dim), lse.view(batch, q_heads, 1)
+    return out, lse

@@ -2,8 +2,11 @@
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize_decode.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_decode.py
+
+Environment: ``FQ_DECODE_WARPS=8`` runs the 8-warp CTAs, ``FQ_DECODE_FAST_LAUNCH=1`` the cached cuLaunchKernel path.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import flashquant_hf.kernels.paged_decode as pd  # noqa: E402
 from flashquant_hf.codebook import lloyd_max_codebook  # noqa: E402
 from flashquant_hf.kernels.paged_decode import paged_decode  # noqa: E402
 from flashquant_hf.kernels.tq_decode import tq_decode  # noqa: E402
@@ -18,6 +22,8 @@ from flashquant_hf.paged import PagedLayout  # noqa: E402
 
 
 def main() -> None:
+    pd.WARPS = int(os.environ.get("FQ_DECODE_WARPS", pd.WARPS))
+    pd.FAST_LAUNCH = os.environ.get("FQ_DECODE_FAST_LAUNCH", str(int(pd.FAST_LAUNCH))) == "1"
     torch.manual_seed(0)
     dev = "cuda"
     c = torch.tensor(lloyd_max_codebook(128, 4).centroids, dtype=torch.float32, device=dev)
@@ -46,7 +52,7 @@ def main() -> None:
                     "v": v, "vn": vn, "bias": bias, "out2": out2, "lse2": lse2, "c": c},
                    Path(sys.argv[2]) / "decode_dump.pt")
     assert torch.isfinite(out).all() and torch.isfinite(out2).all()
-    print("sanitize_decode: ok", tuple(out.shape), tuple(out2.shape))
+    print("sanitize_decode: ok", tuple(out.shape), tuple(out2.shape), f"warps {pd.WARPS}, fast launch {pd.FAST_LAUNCH}")
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def test_paged_decode_poisoned_multi_split(monkeypatch, poison):
     lens = [20000, 3, 0]
     blocks, table, lens_t = random_store(lens, 16, 2, 128, seed=6)
     q = torch.randn(3, 8, 128, device=DEV, dtype=torch.bfloat16)
-    pd._workspace.cache_clear()
+    pd.clear_caches()
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     c = centroids(128)
@@ -166,3 +166,35 @@ def test_paged_decode_rejects_other_bits_and_bad_tables():
         paged_decode(q, blocks, table.long(), lens_t, c, c, 4, 4, 0.1, 16)
     with pytest.raises(ValueError, match="`blocks` must be uint8"):
         paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.1, 32)
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+def test_paged_decode_warp_variants(warps, monkeypatch):
+    """Both CTA shapes (template W) on ragged sequences, small blocks (more page lookups) and GQA 8."""
+    import flashquant_hf.kernels.paged_decode as pd
+
+    monkeypatch.setattr(pd, "WARPS", warps)
+    pd.clear_caches()
+    lens = [7000, 1, 0, 129, 2048]
+    blocks, table, lens_t = random_store(lens, 8, 2, 128, seed=50 + warps)
+    q = torch.randn(len(lens), 16, 128, device=DEV, dtype=torch.bfloat16)
+    check(q, blocks, table, lens_t, 8)
+    blocks, table, lens_t = random_store(lens, 32, 2, 64, seed=60 + warps)
+    check(torch.randn(len(lens), 4, 64, device=DEV, dtype=torch.float16), blocks, table, lens_t, 32)
+    pd.clear_caches()
+
+
+def test_paged_decode_fast_launch_matches_cupy_launch(monkeypatch):
+    import flashquant_hf.kernels.paged_decode as pd
+    from flashquant_hf.kernels.paged_decode import paged_decode
+
+    c = centroids(128)
+    for seed, lens in enumerate(([3000, 5], [40, 9000, 1])):
+        blocks, table, lens_t = random_store(lens, 16, 2, 128, seed=70 + seed)
+        q = torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
+        monkeypatch.setattr(pd, "FAST_LAUNCH", True)
+        fast = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16)
+        monkeypatch.setattr(pd, "FAST_LAUNCH", False)
+        slow = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16)
+        assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+        check(q, blocks, table, lens_t, 16)

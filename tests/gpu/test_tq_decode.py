@@ -136,7 +136,7 @@ def test_tq_decode_outputs_poisoned_before_launch(monkeypatch, poison):
     c = centroids(128)
     import flashquant_hf.kernels.paged_decode as pd
 
-    pd._workspace.cache_clear()
+    pd.clear_caches()
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     out, lse = run(q, cache, c)
     monkeypatch.undo()
@@ -166,3 +166,40 @@ def test_tq_decode_validation_errors():
         tq_decode(q, k, kn, v, vn, c, c, 2, 4, 0.1)
     with pytest.raises(ValueError, match="`key_bias` must be"):
         tq_decode(q, k, kn, v, vn, c, c, 4, 4, 0.1, key_bias=torch.zeros(1, 11, device=DEV))
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tq_decode_warp_variants(warps, head_dim, monkeypatch):
+    """Both CTA shapes (template W): multi-split, key_bias, fp16 queries and GQA 4."""
+    import flashquant_hf.kernels.paged_decode as pd
+
+    monkeypatch.setattr(pd, "WARPS", warps)
+    pd.clear_caches()
+    batch, num_keys = 2, 9000
+    cache = random_cache(batch, 2, num_keys, head_dim, capacity_extra=5, seed=30 + warps)
+    c = centroids(head_dim)
+    q = torch.randn(batch, 8, 1, head_dim, device=DEV, dtype=torch.float16)
+    bias = torch.zeros(batch, num_keys, device=DEV)
+    bias[1, :77] = -math.inf
+    assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
+    assert_close_rel(*run(q, cache, c, bias), *reference64(q, cache, c, bias))
+    pd.clear_caches()
+
+
+def test_tq_decode_fast_launch_matches_cupy_launch(monkeypatch):
+    """The cached cuLaunchKernel path and CuPy's launch give identical bits, and the reused parameter array
+    follows changing lengths, strides and pointers between calls (as in a decode loop over layers)."""
+    import flashquant_hf.kernels.paged_decode as pd
+
+    c = centroids(128)
+    k, kn, v, vn = random_cache(2, 2, 6000, 128, capacity_extra=100, seed=40)
+    for num_keys in (6000, 257, 4100, 6000):
+        cache = (k[:, :, :num_keys], kn[:, :, :num_keys], v[:, :, :num_keys], vn[:, :, :num_keys])
+        q = torch.randn(2, 8, 1, 128, device=DEV, dtype=torch.bfloat16)
+        monkeypatch.setattr(pd, "FAST_LAUNCH", True)
+        fast = run(q, cache, c)
+        monkeypatch.setattr(pd, "FAST_LAUNCH", False)
+        slow = run(q, cache, c)
+        assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+        assert_close_rel(*fast, *reference64(q, cache, c))
