@@ -35,7 +35,7 @@ def _commit() -> str:
 
 
 def run_tests(out_dir: Path | None) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "tests"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "tests/gpu"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     if out_dir:

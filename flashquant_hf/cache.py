@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STORE_GROWTH = 1.25  # compressed store: amortised O(1) copies per token, <= 25% slack
-STORE_ROUND = 256  # tokens; a 32K prefill leaves room for 128+ decode steps before the first regrowth
+STORE_GROWTH = 1.25  # compressed store regrowth: amortised O(1) copies per token, <= 25% slack
+STORE_HEADROOM = 1 / 64  # first allocation: a 32K prefill leaves room for 510 decode steps (+1.6% bytes)
+STORE_ROUND = 16  # tokens (keeps every row of the packed layout 16-byte aligned)
 WINDOW_SLACK = 64  # extra window capacity: the live range is moved to the front once every 64 tokens
 WINDOW_EAGER = 1024  # windows up to this capacity are allocated at full size at once
 TAG = "_flashquant"  # attribute set on the K/V tensors that update() returns
@@ -65,15 +66,24 @@ class TokenBuffer:
     """Tensors ``[B, H, capacity, ...]`` sharing the token axis (dim 2); live tokens are ``[start, start + length)``.
 
     Appends write in place; the capacity grows geometrically (``growth``, rounded up to ``round_to`` tokens,
-    never above ``max_capacity`` unless more is needed); dropping tokens from the front only moves ``start``,
-    and the live range is moved back to the front when the end is reached (amortised O(1) per token).
+    never above ``max_capacity`` unless more is needed; the first allocation adds ``headroom`` x the tokens it
+    needs); dropping tokens from the front only moves ``start``, and the live range is moved back to the front
+    when the end is reached (amortised O(1) per token).
     """
 
-    def __init__(self, growth: float, round_to: int, max_capacity: int | None = None, min_capacity: int = 0):
+    def __init__(
+        self,
+        growth: float,
+        round_to: int,
+        max_capacity: int | None = None,
+        min_capacity: int = 0,
+        headroom: float = 0.0,
+    ):
         self.growth = growth
         self.round_to = round_to
         self.max_capacity = max_capacity
         self.min_capacity = min_capacity
+        self.headroom = headroom
         self.tensors: tuple[torch.Tensor, ...] = ()
         self.start = 0
         self.length = 0
@@ -93,7 +103,10 @@ class TokenBuffer:
         return tuple(t[:, :, self.start : self.start + self.length] for t in self.tensors)
 
     def _new_capacity(self, need: int) -> int:
-        grown = max(need, math.ceil(self.capacity * self.growth), self.min_capacity)
+        if self.capacity:
+            grown = max(need, math.ceil(self.capacity * self.growth))
+        else:
+            grown = max(need + int(need * self.headroom), self.min_capacity)
         grown = -(-grown // self.round_to) * self.round_to
         if self.max_capacity is not None:
             grown = min(grown, self.max_capacity)
@@ -252,7 +265,7 @@ class TurboQuantLayer(CacheLayerMixin):
     def _reset_state(self) -> None:
         cfg = self.config
         self.sinks = TokenBuffer(growth=1.0, round_to=1, max_capacity=cfg.sink_tokens)
-        self.store = TokenBuffer(growth=STORE_GROWTH, round_to=STORE_ROUND)
+        self.store = TokenBuffer(growth=STORE_GROWTH, round_to=STORE_ROUND, headroom=STORE_HEADROOM)
         # A full window holds R tokens; the slack lets the oldest ones be dropped 64 times between two moves.
         window_capacity = cfg.residual_length + WINDOW_SLACK
         self.window = TokenBuffer(

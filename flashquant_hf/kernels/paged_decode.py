@@ -34,10 +34,9 @@ CUDA_SOURCE = "paged_decode.cu"
 HEAD_DIMS = (64, 128, 256)
 QUERY_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, MODE_PAGED = 0, 1, 2
-# Warps per CTA for head_dim <= 128 (template W; head_dim 256 always runs 4). 4 is the measured configuration
-# (docs/kernels_decode.md, version 2); 8 (2 CTAs x 8 warps per SM sharing one pair of tables per CTA) is built but
-# not yet measured on a GPU: benchmarks/bench_decode.py sweeps both.
-WARPS = 4
+# Warps per CTA for head_dim <= 128 (template W; head_dim 256 always runs 4). 8 (2 CTAs x 8 warps per SM sharing
+# one pair of tables per CTA) won the H200 sweep of benchmarks/bench_decode.py (docs/kernels_decode.md, version 3).
+WARPS = 8
 WARP_CHOICES = (4, 8)
 
 
@@ -60,13 +59,13 @@ LUT_BYTES = 2 * 256 * 32 * 4  # K and V byte->pair tables, one copy per lane
 MAX_PAGE_BYTES = 4096  # shared-memory copy of one split's block-table slice
 GRANULE = 128  # keys per round of all warps of a CTA (Traits<D, W>::kChunk * W for every instantiation)
 # Tuned on the H200 by benchmarks/bench_decode.py (sweep of 0-3 x 1-3 over the three benchmark shapes):
-PREFETCH_CHUNKS = 1  # L2 prefetch distance, in warp iterations beyond the register prefetch (0: off)
+PREFETCH_CHUNKS = 0  # L2 prefetch distance, in warp iterations beyond the register prefetch (0: off)
 SLOT_FACTOR = 1.0  # planned CTA slots = SMs x resident CTAs x SLOT_FACTOR
 OVERHEAD_KEYS = 128  # per-CTA start/merge cost, in keys of streaming
 PARTIAL_KEYS = 64  # cost of writing + merging one partial result, in keys
-# Launch through cached cuLaunchKernel parameter arrays instead of CuPy's per-argument conversion. Off until a GPU
-# run has passed tests/gpu/test_*_fast_launch_matches_cupy_launch (docs/kernels_decode.md, version 3).
-FAST_LAUNCH = False
+# Launch through cached cuLaunchKernel parameter arrays instead of CuPy's per-argument conversion: 51 instead of
+# 102 us of host time per call on the H200 host (docs/kernels_decode.md, version 3).
+FAST_LAUNCH = True
 NULL = np.uint64(0)
 LOG2E = 1.4426950408889634
 
