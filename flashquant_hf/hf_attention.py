@@ -136,18 +136,33 @@ def exact_attention(
         scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias[:, None, None]
-    return _softmax_out(scores, values.float(), q_heads)
+    return _softmax_out(scores, values.float(), q_heads, masked=bias is not None or kv_len == 0)
 
 
-def _softmax_out(scores: torch.Tensor, values: torch.Tensor, q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [B, H_kv, G, Lq, N], values [B, H_kv, N, D] -> (out [B, Hq, Lq, D], lse [B, Hq, Lq])."""
+def _softmax_out(
+    scores: torch.Tensor, values: torch.Tensor, q_heads: int, masked: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [B, H_kv, G, Lq, N], values [B, H_kv, N, D] -> (out [B, Hq, Lq, D], lse [B, Hq, Lq]).
+
+    ``masked=False`` promises that no score is -inf (every row sees every key): fewer kernels per decode step.
+    """
     batch, kv_heads, group, q_len, kv_len = scores.shape
     lse = torch.logsumexp(scores, dim=-1)
-    finite = torch.isfinite(lse)
-    probs = torch.exp(scores - torch.where(finite, lse, 0).unsqueeze(-1))
-    probs = torch.where(finite.unsqueeze(-1), probs, 0)
+    if masked:
+        finite = torch.isfinite(lse)
+        probs = torch.exp(scores - torch.where(finite, lse, 0).unsqueeze(-1))
+        probs = torch.where(finite.unsqueeze(-1), probs, 0)
+    else:
+        probs = torch.exp(scores - lse.unsqueeze(-1))
     out = probs.view(batch, kv_heads, group * q_len, kv_len) @ values
     return out.view(batch, q_heads, q_len, -1), lse.reshape(batch, q_heads, q_len)
+
+
+def _to_model_layout(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, Hq, Lq, D] -> a new contiguous [B, Lq, Hq, D] in ``dtype`` (one copy kernel)."""
+    batch, q_heads, q_len, head_dim = out.shape
+    result = torch.empty((batch, q_len, q_heads, head_dim), dtype=dtype, device=out.device)
+    return result.copy_(out.transpose(1, 2))
 
 
 # --------------------------------------------------------------------------------------------- compressed part
@@ -328,7 +343,7 @@ def compressed_attention(
     if not parts:
         finite = torch.isfinite(lse_c).unsqueeze(-1)
         out = torch.where(finite, out_c, 0)
-        return out.transpose(1, 2).to(query.dtype).contiguous()
+        return _to_model_layout(out, query.dtype)
     keys = torch.cat([p[0] for p in parts], dim=2) if len(parts) > 1 else parts[0][0]
     values = torch.cat([p[1] for p in parts], dim=2) if len(parts) > 1 else parts[0][1]
     if mask is not None:
@@ -342,7 +357,7 @@ def compressed_attention(
 
     stacked_out, stacked_lse = torch.stack([out_c, out_e]), torch.stack([lse_c, lse_e])
     out, _ = implementation("split_k", layer.config.backend, stacked_out).merge_partials(stacked_out, stacked_lse)
-    return out.transpose(1, 2).to(query.dtype).contiguous()
+    return _to_model_layout(out, query.dtype)
 
 
 # --------------------------------------------------------------------------------------------- interface
@@ -410,7 +425,7 @@ def _sdpa_or_exact(module, query, key, value, attention_mask, dropout=0.0, scali
         bias = _bias_from(_causal(q_len, kv_len, kv_len - q_len, query.device))[None]
     scale = float(scaling) if scaling is not None else head_dim**-0.5
     out, _ = exact_attention(query, key, value, bias, scale, softcap)
-    return out.transpose(1, 2).to(query.dtype).contiguous(), None
+    return _to_model_layout(out, query.dtype), None
 
 
 def flashquant_attention_forward(

@@ -108,7 +108,8 @@ def save_plot(path: str | Path, rows: list[dict[str, Any]], title: str = "") -> 
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     colors = ["#777777"] + ["#1f77b4"] * (len(rows) - 1)
-    bars = ax.bar(names, ppls, yerr=spread, color=colors, capsize=4)
+    # Error bars only where several seeds were run (a zero-length bar still draws its caps).
+    bars = ax.bar(names, ppls, yerr=spread if any(spread) else None, color=colors, capsize=4)
     ax.axhline(ppls[0], color="#777777", linestyle="--", linewidth=1)
     for bar, row in zip(bars, rows):
         label = "baseline" if row["name"] == "dynamic" else f"{row['delta_pct']:+.1f}%\n{row['compression']:.2f}x"

@@ -102,7 +102,7 @@ def evaluate(
                 if spec.is_dynamic:
                     # The baseline holds the exact K/V of these tokens: its element count sizes them in bf16.
                     bf16_bytes = BF16_BYTES * (runs[-1].kv_elements or 0)
-                if not spec.is_dynamic:
+                else:
                     config = cache.config if hasattr(cache, "config") else None
                     used_seeds.append(getattr(config, "seed", seed))
                 del cache
