@@ -78,12 +78,12 @@ def render_markdown(results: list[dict], gpu: str, test_summary: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="run only benchmarks whose module name contains one of these")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out_dir = Path(args.out) if args.out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)

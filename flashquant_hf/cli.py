@@ -34,13 +34,14 @@ def _import_run_gpu():
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Run benchmarks/run_gpu.py's main with the pass-through options; exit 2 with one line on a CPU machine."""
+    """Run benchmarks/run_gpu.py's main with the given options; exit 2 with one line on a CPU machine."""
     import torch
 
     if not torch.cuda.is_available():
         raise EvalInputError("needs a CUDA GPU, and torch sees none on this machine")
     run_gpu = _import_run_gpu()
-    forwarded = list(args.bench_args)
+    forwarded = [*(["--only", *args.only] if args.only else []), *(["--skip-tests"] if args.skip_tests else []),
+                 *(["--out", args.out] if args.out else [])]
     if inspect.signature(run_gpu.main).parameters:
         return int(run_gpu.main(forwarded) or 0)
     saved = sys.argv
@@ -55,7 +56,8 @@ def run_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``flashquant-hf`` parser with its two subcommands."""
     parser = argparse.ArgumentParser(
-        prog=PROG, description="TurboQuant KV cache for HuggingFace transformers: perplexity evaluation and GPU benchmarks."
+        prog=PROG,
+        description="TurboQuant KV cache for HuggingFace transformers: perplexity evaluation and GPU benchmarks.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{ppl,bench}")
     ppl = sub.add_parser("ppl", help="decode-faithful perplexity of DynamicCache vs TurboQuant configurations")
@@ -63,10 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.set_defaults(func=run_ppl)
     bench = sub.add_parser(
         "bench", help="GPU tests and kernel benchmarks (benchmarks/run_gpu.py; needs a CUDA GPU)",
-        description="Run benchmarks/run_gpu.py: every GPU test, then every benchmark; writes benchmarks/results.json. "
-        "Options after `bench` go to run_gpu.py (--only NAME ..., --skip-tests, --out DIR).",
+        description="Run benchmarks/run_gpu.py from the source checkout: every GPU test, then every benchmark; "
+        "writes benchmarks/results.json.",
     )
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options for benchmarks/run_gpu.py")
+    bench.add_argument("--only", nargs="+", metavar="NAME",
+                       help="run only benchmarks whose module name contains one of these")
+    bench.add_argument("--skip-tests", action="store_true", help="benchmarks only, no GPU tests")
+    bench.add_argument("--out", metavar="DIR", help="also copy results.json and the logs here (default: $OUT)")
     bench.set_defaults(func=run_bench)
     return parser
 

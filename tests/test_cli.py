@@ -123,3 +123,37 @@ def test_help_lists_presets(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--prefix" in out and "tq4-r0" in out and "--seeds" in out
+
+
+def test_bench_forwards_options_to_run_gpu(monkeypatch):
+    """With a GPU, `bench` calls run_gpu.main with its options in sys.argv, and restores sys.argv."""
+    import types
+
+    from flashquant_hf import cli
+
+    seen = {}
+
+    def fake_main():
+        seen["argv"] = list(sys.argv[1:])
+        return 3
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "_import_run_gpu", lambda: types.SimpleNamespace(main=fake_main, __file__="run_gpu.py"))
+    before = list(sys.argv)
+    assert main(["bench", "--only", "decode", "codec", "--skip-tests", "--out", "o"]) == 3
+    assert seen["argv"] == ["--only", "decode", "codec", "--skip-tests", "--out", "o"]
+    assert sys.argv == before
+
+
+def test_bench_finds_the_checkout_benchmarks():
+    from flashquant_hf import cli
+
+    module = cli._import_run_gpu()
+    assert callable(module.main) and module.__file__.endswith("run_gpu.py")
+
+
+def test_unwritable_json_fails_before_the_model_loads(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc = main(["ppl", "--json", str(blocker / "r.json"), "--no-progress"])
+    _one_line_error(capsys, rc, "cannot be written")

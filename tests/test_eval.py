@@ -189,7 +189,8 @@ def test_parse_dataset_name(spec, expected):
 
 
 @pytest.mark.parametrize(
-    "text,value", [("4", 4), ("-1", -1), ("0.5", 0.5), ("true", True), ("False", False), ("none", None), ("haar", "haar")]
+    "text,value",
+    [("4", 4), ("-1", -1), ("0.5", 0.5), ("true", True), ("False", False), ("none", None), ("haar", "haar")],
 )
 def test_parse_value(text, value):
     assert parse_value(text) == value and type(parse_value(text)) is type(value)

@@ -72,7 +72,7 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 def run_ppl(args: argparse.Namespace) -> int:
     """Run the ``ppl`` command; EvalInputError for bad input (raised before the model loads where possible)."""
     from .loading import load_model, resolve_device, resolve_dtype
-    from .report import format_table, payload, save_plot, write_json
+    from .report import check_writable, format_table, payload, save_plot, write_json
     from .runner import evaluate
     from .text import load_text, token_window
 
@@ -83,6 +83,9 @@ def run_ppl(args: argparse.Namespace) -> int:
     unique_names(specs)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_writable(path, option)
 
     if args.threads:
         import torch

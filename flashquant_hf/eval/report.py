@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,19 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (str, int, bool, type(None), float)):
         return value
     return str(value)
+
+
+def check_writable(path: str | Path, option: str) -> None:
+    """EvalInputError now, before a long run, when ``path`` could not be written later."""
+    path = Path(path)
+    parent = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
+    if path.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise EvalInputError(f"`{option}` {str(path)!r} cannot be written (not a writable file location)")
+    if option == "--plot":
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise EvalInputError("`--plot` needs matplotlib: pip install 'flashquant-hf[eval]'") from None
 
 
 def write_json(path: str | Path, document: dict[str, Any]) -> Path:

@@ -46,7 +46,9 @@ def turboquant_api():
     try:
         from flashquant_hf import TurboQuantCache, TurboQuantConfig
     except ImportError as err:
-        raise EvalInputError(f"TurboQuantCache is not available in this installation of flashquant_hf ({err})") from None
+        raise EvalInputError(
+            f"TurboQuantCache is not available in this installation of flashquant_hf ({err})"
+        ) from None
     return TurboQuantConfig, TurboQuantCache
 
 
