@@ -123,8 +123,13 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     for name, t in (("k", k), ("v", v)):
         if list(t.shape) != expected:
             raise ValueError(f"`{name}` must have shape [B, H_kv, N, D] = {expected}, got {list(t.shape)}")
+    check_heads_grid_scale("q", batch, q_heads, kv_heads, scale)
+
+
+def check_heads_grid_scale(query_name: str, batch: int, q_heads: int, kv_heads: int, scale: float) -> None:
+    """The checks every FA2-family launch shares: GQA divisibility, the grid's y/z limit, a usable scale."""
     if kv_heads == 0 or q_heads % kv_heads:
-        raise ValueError(f"`q` heads ({q_heads}) must be a multiple of the KV heads ({kv_heads})")
+        raise ValueError(f"`{query_name}` heads ({q_heads}) must be a multiple of the KV heads ({kv_heads})")
     if batch > MAX_GRID_YZ or kv_heads > MAX_GRID_YZ:
         raise ValueError(f"batch and KV heads must be <= {MAX_GRID_YZ}, got {batch} and {kv_heads}")
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):

@@ -17,7 +17,7 @@ import torch
 
 from ..reference.split_k import merge_partials
 from . import loader
-from .flash_attention import MAX_GRID_YZ, TileConfig, aligned_rows, as_aligned
+from .flash_attention import MAX_GRID_YZ, TileConfig, aligned_rows, as_aligned, check_heads_grid_scale
 
 CUDA_SOURCE = "fused_tq_attention.cu"
 HEAD_DIMS = (64, 128, 256)
@@ -151,12 +151,7 @@ def _check_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_ce
     _check_tensor("v_centroids", v_centroids, (1 << v_bits,), torch.float32, dev)
     if key_bias is not None:
         _check_tensor("key_bias", key_bias, (batch, kv_len), torch.float32, dev)
-    if kv_heads == 0 or q_heads % kv_heads:
-        raise ValueError(f"`q_rot` heads ({q_heads}) must be a multiple of the KV heads ({kv_heads})")
-    if kv_heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
-        raise ValueError(f"batch and KV heads must be <= {MAX_GRID_YZ}, got {batch} and {kv_heads}")
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"`scale` must be a finite positive number, got {scale!r}")
+    check_heads_grid_scale("q_rot", batch, q_heads, kv_heads, scale)
 
 
 def launch_tq_prefill(
