@@ -7,8 +7,13 @@ so that no run finds its data in L2.
 
 Headline names: ``compress_hbm_fraction`` (best rotation path; docs/kernels_codec.md says which) and
 ``decompress_hbm_fraction`` (the rotated-space kernel the attention path uses). Per-path figures carry the
-path in the name. ``*_lanes<k>`` entries time compile-time variants (threads per row) of the same kernels
-(defaults at D=128, bf16: 4 lanes for compress, 8 for decompress).
+path in the name. ``compress_hbm_fraction_hadamard_<variant>`` entries time compile-time variants of the
+Hadamard compress kernel (tensor-core transform: {thr, base} table layout, rows per warp, threads per CTA;
+the FWHT transform with 4 or 8 lanes per row), each checked against the default's indices; ``*_d64`` the same at head_dim 64 (8M rows,
+same bytes). ``decompress_*_lanes<k>`` time threads-per-row variants of the decompress kernels (default 8).
+
+``python -m benchmarks.bench_codec --ncu-probe`` launches only the default compress kernel a few times at the
+benchmark's size (for ``ncu --kernel-name regex:tq_compress``).
 """
 
 from __future__ import annotations
@@ -23,15 +28,22 @@ ROWS = 4 * 1024 * 1024
 HEAD_DIM = 128
 BITS = 4
 DTYPE = torch.bfloat16
-# Threads per row at D=128: the defaults (kernels.compress.hadamard_lanes(128, bf16), kernels.decompress.LANES[128])
-# and the variants timed beside them.
-DEFAULT_LANES = {"compress": 4, "decompress": 8}
-VARIANT_LANES = {"compress": (8, 16), "decompress": (4, 16)}
+# Decompress threads per row at D=128: the default (kernels.decompress.LANES[128]) and the variants timed beside it.
+DEFAULT_LANES = {"decompress": 8}
+VARIANT_LANES = {"decompress": (4, 16)}
+# Compile-time variants of tq_compress_hadamard: name -> (NVRTC options, FWHT lanes override).
+COMPRESS_VARIANTS: dict[str, tuple[tuple[str, ...], int | None]] = {
+    "mma_paired_table": (("-DFQ_MMA_TABLE_PAIRED=1",), None),
+    "mma_rows16": (("-DFQ_MMA_ROWS=16",), None),
+    "mma_threads256": (("-DFQ_MMA_THREADS=256",), None),
+    "fwht_lanes4": (("-DFQ_HADAMARD_MMA=0",), 4),
+    "fwht_lanes8": (("-DFQ_HADAMARD_MMA=0", "-DFQ_HADAMARD_LANES_128=8"), 8),
+}
+D64_VARIANTS: dict[str, tuple[tuple[str, ...], int | None]] = {"default": ((), None), "fwht": (("-DFQ_HADAMARD_MMA=0",), 4)}
 
 
 def _variant_options(kind: str, lanes: int) -> tuple[str, ...]:
-    macro = "FQ_HADAMARD_LANES_128" if kind == "compress" else "FQ_DECOMPRESS_LANES_128"
-    return () if lanes == DEFAULT_LANES[kind] else (f"-D{macro}={lanes}",)
+    return () if lanes == DEFAULT_LANES[kind] else (f"-DFQ_DECOMPRESS_LANES_128={lanes}",)
 
 
 def _precompile(device: torch.device) -> None:
@@ -43,8 +55,10 @@ def _precompile(device: torch.device) -> None:
     jobs = [(kc.CUDA_SOURCE, kc.kernel_name(p, HEAD_DIM, BITS, DTYPE), ()) for p in kc.ROTATION_PATHS]
     jobs += [(kd.CUDA_SOURCE, kd.kernel_name(k, HEAD_DIM, BITS, t), ())
              for k, t in (("dequantize_rotated", DTYPE), ("dequantize_rotated", torch.float32), ("decompress_hadamard", DTYPE))]
-    for lanes in VARIANT_LANES["compress"]:
-        jobs.append((kc.CUDA_SOURCE, kc.kernel_name("hadamard", HEAD_DIM, BITS, DTYPE), _variant_options("compress", lanes)))
+    for options, _ in COMPRESS_VARIANTS.values():
+        jobs.append((kc.CUDA_SOURCE, kc.kernel_name("hadamard", HEAD_DIM, BITS, DTYPE), options))
+    for options, _ in D64_VARIANTS.values():
+        jobs.append((kc.CUDA_SOURCE, kc.kernel_name("hadamard", 64, BITS, DTYPE), options))
     for lanes in VARIANT_LANES["decompress"]:
         for k in kd.KERNELS:
             jobs.append((kd.CUDA_SOURCE, kd.kernel_name(k, HEAD_DIM, BITS, DTYPE), _variant_options("decompress", lanes)))
@@ -117,15 +131,18 @@ def run(record) -> None:
         norm_err = ((reference_codes[name][1][:check_rows] - ref_norms).abs() / ref_norms).max().item()
         record(f"compress_check_norm_rel_err_{name}", norm_err, "relative", "< 1e-5")
 
-    # Lane-count variants of the Hadamard compress kernel (same results up to float-rounding ties).
+    # Compile-time variants of the Hadamard compress kernel (same results up to float-rounding ties).
     rotation, signs = rotations["hadamard"]
-    for lanes in VARIANT_LANES["compress"]:
-        options = _variant_options("compress", lanes)
+    for variant, (options, lanes) in COMPRESS_VARIANTS.items():
         ms = time_ms(compress_fns(rotation, signs, options, lanes))
-        record(f"compress_hbm_fraction_hadamard_lanes{lanes}", (in_bytes + code_bytes) / (ms * 1e-3) / 1e9 / copy_gbs, "fraction")
+        record(f"compress_ms_hadamard_{variant}", ms, "ms")
+        record(f"compress_hbm_fraction_hadamard_{variant}", (in_bytes + code_bytes) / (ms * 1e-3) / 1e9 / copy_gbs, "fraction")
         kc.launch_compress(xs[0], rotation, boundaries, BITS, centroids, False, signs, packs[0], norms[0], options, lanes)
         differ = (unpack_indices(packs[0][: 1 << 16], BITS, HEAD_DIM) != unpack_indices(codes_h[: 1 << 16], BITS, HEAD_DIM))
-        record(f"compress_lanes{lanes}_index_mismatch_fraction", differ.float().mean().item(), "fraction", "< 1e-4")
+        record(f"compress_{variant}_index_mismatch_fraction", differ.float().mean().item(), "fraction", "< 1e-4")
+
+    # head_dim 64 (twice the rows, the same bytes): tensor-core default against the FWHT.
+    _compress_d64(record, copy_gbs)
 
     # ---- decompress: codes and norms read + bf16 written
     out_bytes = ROWS * HEAD_DIM * DTYPE.itemsize
@@ -176,3 +193,62 @@ def run(record) -> None:
     torch.cuda.empty_cache()
     ms_haar = time_ms(lambda: kd.decompress(codes_haar[0], codes_haar[1], haar, centroids, BITS, HEAD_DIM, DTYPE))
     record("decompress_full_ms_haar", ms_haar, "ms")
+
+
+def _compress_d64(record, copy_gbs: float) -> None:
+    from flashquant_hf.codebook import lloyd_max_codebook
+    from flashquant_hf.kernels import compress as kc
+    from flashquant_hf.packing import packed_size, unpack_indices
+    from flashquant_hf.rotation import hadamard_signs, random_rotation
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    head_dim, rows = 64, 2 * ROWS
+    nbytes = packed_size(head_dim, BITS)
+    centroids, boundaries = lloyd_max_codebook(head_dim, BITS).tensors(device)
+    rotation = random_rotation(head_dim, 0, "hadamard", device=device)
+    signs = hadamard_signs(head_dim, 0, device=device)
+    in_bytes = rows * head_dim * DTYPE.itemsize
+    moved = in_bytes + rows * (nbytes + 4)
+    sets = copies_to_exceed_l2(in_bytes)
+    xs = [torch.randn(rows, head_dim, device=device, dtype=DTYPE) for _ in range(sets)]
+    packs = [torch.empty(rows, nbytes, dtype=torch.uint8, device=device) for _ in range(sets)]
+    norms = [torch.empty(rows, device=device) for _ in range(sets)]
+    codes = {}
+    for variant, (options, lanes) in D64_VARIANTS.items():
+        fns = [
+            (lambda i=i: kc.launch_compress(xs[i], rotation, boundaries, BITS, centroids, False, signs, packs[i],
+                                            norms[i], options, lanes))
+            for i in range(sets)
+        ]
+        ms = time_ms(fns)
+        record(f"compress_hbm_fraction_hadamard_d64_{variant}", moved / (ms * 1e-3) / 1e9 / copy_gbs, "fraction")
+        fns[0]()
+        codes[variant] = unpack_indices(packs[0][: 1 << 16], BITS, head_dim)
+    differ = (codes["default"] != codes["fwht"]).float().mean().item()
+    record("compress_d64_default_vs_fwht_index_mismatch_fraction", differ, "fraction", "< 1e-4")
+
+
+def _ncu_probe() -> None:
+    """A few launches of the default compress kernel at the benchmark's size, nothing else (for ncu)."""
+    from flashquant_hf.codebook import lloyd_max_codebook
+    from flashquant_hf.kernels import compress as kc
+    from flashquant_hf.packing import packed_size
+    from flashquant_hf.rotation import hadamard_signs, random_rotation
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    centroids, boundaries = lloyd_max_codebook(HEAD_DIM, BITS).tensors(device)
+    rotation = random_rotation(HEAD_DIM, 0, "hadamard", device=device)
+    signs = hadamard_signs(HEAD_DIM, 0, device=device)
+    x = torch.randn(ROWS, HEAD_DIM, device=device, dtype=DTYPE)
+    packed = torch.empty(ROWS, packed_size(HEAD_DIM, BITS), dtype=torch.uint8, device=device)
+    norms = torch.empty(ROWS, device=device)
+    for _ in range(3):
+        kc.launch_compress(x, rotation, boundaries, BITS, centroids, False, signs, packed, norms)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--ncu-probe" in sys.argv:
+        _ncu_probe()

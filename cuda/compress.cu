@@ -1,7 +1,8 @@
 // Fused TurboQuant compression, one launch: norm + rotation + bucketize + MSB-first bit packing.
 //
-//   tq_compress_hadamard<D, BITS, T>: Pi = H diag(s) / sqrt(D) applied as a fast Walsh-Hadamard transform
-//       in registers and warp shuffles (D log D adds instead of D^2 FMAs).
+//   tq_compress_hadamard<D, BITS, T>: Pi = H diag(s) / sqrt(D). fp16/bf16 at D = 64, 128: on tensor cores
+//       (exact +-1 products, fp32 accumulation) plus a 4- or 8-point transform in registers; otherwise a
+//       fast Walsh-Hadamard transform in registers and warp shuffles (D log D adds instead of D^2 FMAs).
 //   tq_compress_dense<D, BITS, T>: any dense fp32 rotation (Haar), a CUDA-core GEMM against a shared-
 //       memory copy of Pi with 4 rows x 8 columns of register blocking per thread.
 //
@@ -55,41 +56,114 @@ struct RegisterBucketizer {
 // between boundaries, so each normally holds at most one (`thr`, +inf if none) and
 // idx = base[cell] + (y >= thr[cell]) is exact. When some cell holds two or more (closely spaced or
 // unsorted boundaries), `slow` is set and a short exact scan from base[cell] is used instead.
+//
+// A second, full-range table serves kernels that know |y| <= 1 (a coordinate of a rotated unit vector, up
+// to rounding): its map is one FMA, fcell(y) = bits(fma(y, fa, fc)) - MAGIC_BITS, without saturation, over
+// [-FULL_RANGE, FULL_RANGE] in cells of 0.75 x the smallest gap. `full_ok` says whether it is exact (every
+// cell holds at most one boundary, all boundaries inside the range, at most NFULL cells); the caller must
+// only pass |y| <= FULL_RANGE (anything else may address outside the table).
 struct TableSmem {
     static constexpr int NCELL = 64;
-    float bnd[16];
+    static constexpr int NFULL = 256;
     float thr[NCELL];
     int base[NCELL];
+    // Full-range map, two layouts (FQ_MMA_TABLE_PAIRED picks one): split arrays, fbase exactly NFULL * 4
+    // bytes after fthr (two conflict-free 4-byte loads from one address), or {thr, base} pairs (one 8-byte
+    // load, but lanes whose cells are 16 apart hit the same banks).
+    float fthr[NFULL];
+    int fbase[NFULL];
+    float2 fullv[NFULL];
+    float bnd[16];
     int bcell[16];
-    float a, c;
-    int slow;
+    int fcell[16];
+    float a, c, fa, fc;
+    int slow, full_ok;
+    unsigned full_addr_bias4, full_addr_bias8;  // see TableBucketizer
 };
+
+// stream * 16 + base + (y >= thr): a shift-add and a predicated increment.
+__device__ __forceinline__ unsigned push_cell(unsigned stream, int base, float y, float thr) {
+    stream = (stream << 4) + static_cast<unsigned>(base);
+    asm("{ .reg .pred p; setp.ge.f32 p, %1, %2; @p add.u32 %0, %0, 1; }" : "+r"(stream) : "f"(y), "f"(thr));
+    return stream;
+}
+
+#ifndef FQ_MMA_TABLE_PAIRED
+#define FQ_MMA_TABLE_PAIRED 0
+#endif
+
+// {thr, base} of a full-range cell at a shared-memory byte address (of fthr[cell], or of fullv[cell] when
+// paired); volatile keeps it after the __syncthreads that publishes the table (the compiler cannot see that
+// the asm reads it).
+__device__ __forceinline__ void load_full_cell(unsigned addr, float& thr, int& base) {
+#if FQ_MMA_TABLE_PAIRED
+    float b;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(thr), "=f"(b) : "r"(addr));
+    base = __float_as_int(b);
+#else
+    asm volatile("ld.shared.f32 %0, [%2];\n\tld.shared.b32 %1, [%2+%3];"
+                 : "=f"(thr), "=r"(base) : "r"(addr), "n"(TableSmem::NFULL * 4));
+#endif
+}
 
 template <int NB>
 struct TableBucketizer {
     static constexpr int NCELL = TableSmem::NCELL;
+    static constexpr int NFULL = TableSmem::NFULL;
+    static constexpr float FULL_RANGE = 1.0625f;
+    // 1.5 * 2^23: adding it rounds a value in [0, 2^22) to an integer held in the low mantissa bits; the
+    // float's bit pattern is then MAGIC_BITS + that integer.
+    static constexpr float MAGIC = 12582912.0f;
+    static constexpr unsigned MAGIC_BITS = 0x4B400000u;
+    static constexpr int FULL_SHIFT = FQ_MMA_TABLE_PAIRED ? 3 : 2;  // log2 of the full-range entry stride
     const TableSmem* s;
-    float a, c;
+    float a, c, fa, fc;
+    // Shared-memory byte address of fthr[0] (fullv[0] when paired) minus MAGIC_BITS << FULL_SHIFT (mod 2^32):
+    // adding (bits << FULL_SHIFT) of the rounded float gives the cell's address in one shift-add, without
+    // masking off the exponent.
+    unsigned full_addr_bias;
 
-    __device__ __forceinline__ int cell(float y) const {
+    __device__ __forceinline__ float cell_float(float y) const {
         const float u = __saturatef(__fmaf_rn(y, a, c));
-        // 1.5 * 2^23: adding it rounds u * (NCELL - 1) to an integer held in the low mantissa bits.
-        return __float_as_int(__fmaf_rn(u, static_cast<float>(NCELL - 1), 12582912.0f)) & (NCELL - 1);
+        return __fmaf_rn(u, static_cast<float>(NCELL - 1), MAGIC);
+    }
+
+    __device__ __forceinline__ int cell(float y) const { return __float_as_int(cell_float(y)) & (NCELL - 1); }
+
+    __device__ __forceinline__ int full_cell(float y) const {
+        return static_cast<int>(__float_as_uint(__fmaf_rn(y, fa, fc)) - MAGIC_BITS);
     }
 
     template <bool SLOW>
     __device__ __forceinline__ int index(float y) const {
-        const int k = cell(y);
         if constexpr (!SLOW) {
+            const int k = cell(y);
             return s->base[k] + (y >= s->thr[k] ? 1 : 0);
         } else {
+            const int k = cell(y);
             int i = s->base[k];
             while (i < NB && y >= s->bnd[i]) ++i;
             return i;
         }
     }
 
-    // Collective: every thread of the block calls it (contains __syncthreads).
+    // stream_push<4>(stream, index(y)). MODE 0: full-range table (|y| <= FULL_RANGE and full_ok required);
+    // 1: saturating table (requires !slow); 2: exact scan.
+    template <int MODE>
+    __device__ __forceinline__ unsigned push(unsigned stream, float y) const {
+        if constexpr (MODE == 0) {
+            float thr;
+            int base;
+            load_full_cell((__float_as_uint(__fmaf_rn(y, fa, fc)) << FULL_SHIFT) + full_addr_bias, thr, base);
+            return push_cell(stream, base, y, thr);
+        } else {
+            return (stream << 4) + static_cast<unsigned>(index<MODE == 2>(y));
+        }
+    }
+
+    // Collective: every thread of the block calls it (contains __syncthreads); needs >= NCELL threads. FULL:
+    // also build the full-range table (only the tensor-core kernel reads it; the others skip its code).
+    template <bool FULL>
     __device__ void build(TableSmem& sm, const float* __restrict__ boundaries) {
         const int tid = threadIdx.x;
         if (tid < NB) sm.bnd[tid] = boundaries[tid];
@@ -112,11 +186,34 @@ struct TableBucketizer {
             sm.a = ca;
             sm.c = cc;
         }
+        if (FULL && tid == 0) {
+            const float lo = sm.bnd[0], hi = sm.bnd[NB - 1];
+            float gap = hi - lo;
+            for (int k = 0; k + 1 < NB; ++k) gap = fminf(gap, sm.bnd[k + 1] - sm.bnd[k]);
+            // Full-range map: cells of 0.75 x the smallest gap over [-FULL_RANGE, FULL_RANGE].
+            const float fw = 0.75f * gap;
+            const bool fits = fw > 0.f && lo > -FULL_RANGE && hi < FULL_RANGE &&
+                              2.f * FULL_RANGE / fw + 4.f < static_cast<float>(NFULL);
+            sm.fa = fits ? 1.f / fw : 0.f;
+            sm.fc = MAGIC + (fits ? FULL_RANGE / fw + 1.f : 0.f);
+            sm.full_ok = fits ? 1 : 0;
+            // Read back after the barrier: values the compiler cannot fold, so it keeps one shift-add (LEA)
+            // per lookup instead of splitting the constant off into a separate add.
+            sm.full_addr_bias4 = fq::smem_addr(&sm.fthr[0]) - (MAGIC_BITS << 2);
+            sm.full_addr_bias8 = fq::smem_addr(&sm.fullv[0]) - (MAGIC_BITS << 3);
+        }
         __syncthreads();
         a = sm.a;
         c = sm.c;
         s = &sm;
-        if (tid < NB) sm.bcell[tid] = cell(sm.bnd[tid]);
+        if (FULL) {
+            fa = sm.fa;
+            fc = sm.fc;
+        }
+        if (tid < NB) {
+            sm.bcell[tid] = cell(sm.bnd[tid]);
+            if (FULL) sm.fcell[tid] = full_cell(sm.bnd[tid]);
+        }
         __syncthreads();
         if (tid < NCELL) {
             int below = 0, inside = 0;
@@ -133,7 +230,25 @@ struct TableBucketizer {
             sm.thr[tid] = t;
             if (inside > 1) sm.slow = 1;
         }
+        for (int cellk = tid; FULL && cellk < NFULL; cellk += blockDim.x) {
+            int below = 0, inside = 0;
+            float t = __int_as_float(0x7f800000);
+            for (int k = 0; k < NB; ++k) {
+                const int bc = sm.fcell[k];
+                below += bc < cellk ? 1 : 0;
+                if (bc == cellk) {
+                    if (inside == 0) t = sm.bnd[k];
+                    ++inside;
+                }
+            }
+            sm.fthr[cellk] = t;
+            sm.fbase[cellk] = below;
+            sm.fullv[cellk] = float2{t, __int_as_float(below)};
+            if (inside > 1) sm.full_ok = 0;
+        }
         __syncthreads();
+        if (FULL)
+            full_addr_bias = *static_cast<volatile unsigned*>(FQ_MMA_TABLE_PAIRED ? &sm.full_addr_bias8 : &sm.full_addr_bias4);
     }
 };
 
@@ -142,27 +257,37 @@ template <int BITS>
 struct Bucketizer {
     static constexpr int NB = (1 << BITS) - 1;
     RegisterBucketizer<BITS> reg;
+    template <bool FULL = false>
     __device__ __forceinline__ void setup(TableSmem&, const float* __restrict__ boundaries) { reg.load(boundaries); }
     __device__ __forceinline__ bool slow() const { return false; }
+    __device__ __forceinline__ bool full_ok() const { return true; }
     template <bool SLOW>
     __device__ __forceinline__ int index(float y) const { return reg(y); }
     __device__ __forceinline__ int index(float y, bool) const { return reg(y); }
+    template <int MODE>
+    __device__ __forceinline__ unsigned push(unsigned stream, float y) const {
+        return (stream << BITS) + static_cast<unsigned>(reg(y));
+    }
 };
 
 template <>
 struct Bucketizer<4> {
     static constexpr int NB = 15;
     TableBucketizer<15> table;
+    template <bool FULL = false>
     __device__ __forceinline__ void setup(TableSmem& sm, const float* __restrict__ boundaries) {
-        table.build(sm, boundaries);
+        table.template build<FULL>(sm, boundaries);
     }
     __device__ __forceinline__ bool slow() const { return table.s->slow != 0; }
+    __device__ __forceinline__ bool full_ok() const { return table.s->full_ok != 0; }
     template <bool SLOW>
     __device__ __forceinline__ int index(float y) const { return table.index<SLOW>(y); }
     // Run-time choice, for kernels whose time goes elsewhere (the dense GEMM).
     __device__ __forceinline__ int index(float y, bool slow) const {
         return slow ? table.index<true>(y) : table.index<false>(y);
     }
+    template <int MODE>
+    __device__ __forceinline__ unsigned push(unsigned stream, float y) const { return table.push<MODE>(stream, y); }
 };
 
 // -------------------------------------------------------------------------------------------------
@@ -310,10 +435,259 @@ __device__ __forceinline__ void compress_hadamard_rows(
     }
 }
 
+// -------------------------------------------------------------------------------------------------
+// Hadamard path on tensor cores (16-bit inputs, D = 64 or 128)
+//
+// With T = bf16/fp16, y_raw = H diag(s) x is computed with tensor-core products that are all exact: the
+// operands are the 16-bit inputs (sign-flipped, exact) and +-1, and the mma accumulates in fp32, so only
+// fp32 additions round (docs/kernels_codec.md bounds the error). H factors over bit positions of the
+// coordinate index, H[n][k] = (-1)^popcount(n & k) = (-1)^popcount(n_A & k_A) * (-1)^popcount(n_B & k_B):
+//   A bits {0, 2, 3, 4}: a 16-point transform, one m16n8k16 mma (k = 16) per k-block and half of the outputs;
+//   B bits {1, 5} (+ {6} when D = 128): a KB-point transform (KB = D / 16) in registers, 2-3 FADD stages.
+// A warp owns a tile of 8 rows; lane (g = lane / 4, t = lane % 4) loads row g's 16-byte chunks t + 4i
+// (i < D / 32; each load instruction covers whole 32-byte sectors). Such a chunk {x, y, z, w} (words of
+// two coordinates) is used unchanged as the A fragment {a0, a1, a2, a3} of mma i: mma rows g and g + 8 are
+// two k-blocks of the same data row (coordinate bit 1 = 0: words x, z; bit 1 = 1: words y, w), and within
+// a k-block mma index kk = bit 0 | bits 3-4 (= t) << 1 | bit 2 << 3. So the fragments need no register
+// moves, and both k-blocks use the same B: H_16 in this bit order (+-1, 4 registers per thread). The
+// Hadamard signs are applied to the raw 16-bit words (one XOR per two coordinates).
+// Output: accumulator column nn of half h is coordinate bits 0 = nn & 1, 2 = h, 3-4 = nn >> 1 (= t). After
+// the KB-point transform over (mma row half, i), thread t holds exactly the chunks t + 4i of row g it
+// loaded: position j = e + 2 * (row half) + 4h. Norms: sum of y_raw^2 over the row (= D ||x||^2).
+// -------------------------------------------------------------------------------------------------
+
+#ifndef FQ_HADAMARD_MMA
+#define FQ_HADAMARD_MMA 1
+#endif
+// Rows per warp and iteration (8 or 16: one or two 8-row sub-tiles), threads per CTA and the register cap
+// through the warps to keep per SM (65536 / (32 * warps) registers per thread).
+#ifndef FQ_MMA_ROWS
+#define FQ_MMA_ROWS 8
+#endif
+#ifndef FQ_MMA_THREADS
+#define FQ_MMA_THREADS 128
+#endif
+#ifndef FQ_MMA_WARPS_PER_SM
+#define FQ_MMA_WARPS_PER_SM (FQ_MMA_ROWS == 8 ? 16 : 12)
+#endif
+
+template <int D, typename T>
+__host__ __device__ constexpr bool hadamard_mma() {
+    return FQ_HADAMARD_MMA != 0 && (D == 64 || D == 128) && fq::DType<T>::BYTES == 2;
+}
+
+template <int D, typename T>
+struct HadamardLaunch {
+    static constexpr bool MMA = hadamard_mma<D, T>();
+    static constexpr int THREADS = MMA ? FQ_MMA_THREADS : 256;
+    static constexpr int MIN_BLOCKS = MMA ? (FQ_MMA_WARPS_PER_SM * 32 + THREADS - 1) / THREADS : 0;
+};
+
+template <int D, int BITS>
+struct MmaShape : CodecShape<D, BITS> {
+    static constexpr int NI = D / 32;  // chunks per lane and row: t + 4i
+    static constexpr int KB = D / 16;  // k-blocks = values of the B bits: (mma row half) + 2i
+    static constexpr int SUB = FQ_MMA_ROWS / 8;  // 8-row sub-tiles per iteration
+    static constexpr float SQRT_D = D == 64 ? 8.f : 11.313708498984761f;
+    static constexpr float INV_D = 1.f / D;
+    static_assert(D == 64 || D == 128, "tensor-core Hadamard path: D = 64 or 128");
+    static_assert(FQ_MMA_ROWS == 8 || FQ_MMA_ROWS == 16, "FQ_MMA_ROWS must be 8 or 16");
+};
+
+// Raw input of one iteration held by one lane: [sub-tile][i], row = tile * ROWS + 8 * sub + g.
+template <int SUB, int NI>
+struct TileRaw {
+    uint4 c[SUB][NI];
+};
+
+template <int D, int BITS, typename T>
+__device__ __forceinline__ void load_tile_raw(const T* __restrict__ x, long long sx0, long long sx1, long long sx2,
+                                              fq::FastDiv n1, fq::FastDiv n2, unsigned rows, unsigned r0, int g,
+                                              int t, TileRaw<MmaShape<D, BITS>::SUB, MmaShape<D, BITS>::NI>& raw) {
+    using S = MmaShape<D, BITS>;
+#pragma unroll
+    for (int u = 0; u < S::SUB; ++u) {
+        // Rows past the end re-read the last row (their results are not stored): no zero-fill selects.
+        const unsigned r = r0 + 8 * u + g < rows ? r0 + 8 * u + g : rows - 1;
+        const T* row = x + fq::row_offset(fq::split_row(r, n1, n2), sx0, sx1, sx2);
+#pragma unroll
+        for (int i = 0; i < S::NI; ++i) raw.c[u][i] = fq::ld_stream_v4(row + (t + 4 * i) * 8);
+    }
+}
+
+// Coordinate bits of mma index kk (within a k-block) and of output column n16 = nn + 8h (see above).
+__device__ __forceinline__ int mma_k_bits(int kk) { return (kk & 1) | (((kk >> 1) & 3) << 3) | ((kk >> 3) << 2); }
+__device__ __forceinline__ int mma_n_bits(int n16) { return (n16 & 1) | (((n16 >> 1) & 3) << 3) | ((n16 >> 3) << 2); }
+
+// B fragments of H_16 (in the bit order above) for output half h: b[h][0] holds kk = 2t, 2t + 1 of column
+// nn = g, b[h][1] kk = 2t + 8, 2t + 9; +-1 as bf16 / fp16 bit patterns (low half = lower kk).
+template <typename T>
+__device__ __forceinline__ void hadamard16_b_fragments(int g, int t, unsigned (&b)[2][2]) {
+    constexpr unsigned ONE = fq::DType<T>::IS_HALF ? 0x3C00u : 0x3F80u;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            unsigned word = 0;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const unsigned neg = __popc(mma_k_bits(2 * t + 8 * r + e) & mma_n_bits(g + 8 * h)) & 1u;
+                word |= (ONE | (neg << 15)) << (16 * e);
+            }
+            b[h][r] = word;
+        }
+}
+
+// Sign masks of this lane's input words: bit 15 / 31 set where s of the low / high coordinate is negative.
+template <int D>
+__device__ __forceinline__ void hadamard_sign_masks(const float* __restrict__ signs, int t, uint4 (&m)[D / 32]) {
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+        unsigned w[4];
+#pragma unroll
+        for (int wd = 0; wd < 4; ++wd) {
+            const int c = (t + 4 * i) * 8 + 2 * wd;
+            w[wd] = (__ldg(signs + c) < 0.f ? 0x8000u : 0u) | (__ldg(signs + c + 1) < 0.f ? 0x80000000u : 0u);
+        }
+        m[i] = fq::u4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+// Chunk streams of one lane's outputs: chunk t + 4i holds position j = e + 2 * (row half) + 4h.
+template <int D, int BITS, bool NC, int MODE>
+__device__ __forceinline__ void bucketize_subtile(const float (&acc)[D / 32][2][4], float scale,
+                                                  const Bucketizer<BITS>& bucket, const float* s_csq,
+                                                  unsigned (&st)[D / 32], float& csq) {
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+        unsigned v = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            v = bucket.template push<MODE>(v, acc[i][j >> 2][j & 3] * scale);
+            if constexpr (NC) csq += s_csq[v & ((1u << BITS) - 1u)];
+        }
+        st[i] = v;
+    }
+}
+
+// One 8-row sub-tile: transform, norms, bucketize, pack, store. MODE: see TableBucketizer::push (0 falls
+// back to 2 for tiles with out-of-range norms).
+template <int D, int BITS, typename T, bool NC, int MODE>
+__device__ __forceinline__ void compress_mma_subtile(const uint4 (&raw)[D / 32], unsigned r, int t, unsigned rows,
+                                                     const Bucketizer<BITS>& bucket, const unsigned (&bfrag)[2][2],
+                                                     const uint4 (&smask)[D / 32], const float* s_csq,
+                                                     unsigned char* __restrict__ packed, float* __restrict__ norms) {
+    using S = MmaShape<D, BITS>;
+    constexpr int NI = S::NI;
+    // acc[i][h]: {row half 0 (bit 1 = 0): nn = 2t, 2t + 1; row half 1: nn = 2t, 2t + 1}.
+    float acc[NI][2][4];
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+        const unsigned a[4] = {raw[i].x ^ smask[i].x, raw[i].y ^ smask[i].y, raw[i].z ^ smask[i].z,
+                               raw[i].w ^ smask[i].w};
+        const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) fq::mma_m16n8k16<T>(acc[i][h], a, bfrag[h], zero);
+    }
+    // KB-point Walsh-Hadamard transform over the B bits: bit 1 (row half: elements e vs 2 + e), then i.
+#pragma unroll
+    for (int i = 0; i < NI; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float u = acc[i][h][e], v = acc[i][h][2 + e];
+                acc[i][h][e] = u + v;
+                acc[i][h][2 + e] = u - v;
+            }
+#pragma unroll
+    for (int m = 1; m < NI; m <<= 1)
+#pragma unroll
+        for (int i = 0; i < NI; ++i)
+            if ((i & m) == 0)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const float u = acc[i][h][k], v = acc[i + m][h][k];
+                        acc[i][h][k] = u + v;
+                        acc[i + m][h][k] = u - v;
+                    }
+    // ||y_raw||^2 = D ||x||^2 over the 4 lanes of the row.
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < NI; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) ss = fmaf(acc[i][h][k], acc[i][h][k], ss);
+    ss = fq::group_sum<4>(ss);
+    const float n = sqrtf(ss * S::INV_D);
+    const float scale = 1.f / (fmaxf(n, FLOAT_TINY) * S::SQRT_D);
+
+    unsigned st[NI];
+    float csq = 0.f;
+    if constexpr (MODE == 0) {
+        // The one-FMA full-range table needs |y| <= 1 (+ rounding): true unless ss over- or underflowed
+        // (non-finite or huge inputs, or inputs whose squares flush to zero); such tiles take the exact scan.
+        const bool ok = ss >= 1e-30f && ss <= 1e30f;
+        if (__all_sync(fq::FULL_MASK, ok)) bucketize_subtile<D, BITS, NC, 0>(acc, scale, bucket, s_csq, st, csq);
+        else bucketize_subtile<D, BITS, NC, 2>(acc, scale, bucket, s_csq, st, csq);
+    } else {
+        bucketize_subtile<D, BITS, NC, MODE>(acc, scale, bucket, s_csq, st, csq);
+    }
+    const bool valid = r < rows;
+    unsigned char* out = packed + static_cast<long long>(r) * S::PACKED;
+    if (valid) {
+#pragma unroll
+        for (int i = 0; i < NI; ++i) fq::store_chunk<BITS>(out + (t + 4 * i) * BITS, st[i]);
+    }
+    if constexpr (NC) csq = fq::group_sum<4>(csq);
+    if (valid && t == 0) norms[r] = stored_norm(n, csq, NC);
+}
+
+// Persistent loop over tiles of FQ_MMA_ROWS rows, one warp per tile. Two input buffers used alternately (no
+// register copies between iterations); the loads of the next tile are issued before the current one is used.
+template <int D, int BITS, typename T, bool NC, int MODE>
+__device__ __forceinline__ void compress_mma_rows(
+    const T* __restrict__ x, long long sx0, long long sx1, long long sx2, fq::FastDiv n1, fq::FastDiv n2,
+    unsigned rows, const Bucketizer<BITS>& bucket, const unsigned (&bfrag)[2][2], const uint4 (&smask)[D / 32],
+    const float* s_csq, unsigned char* __restrict__ packed, float* __restrict__ norms) {
+    using S = MmaShape<D, BITS>;
+    constexpr int WARPS = HadamardLaunch<D, T>::THREADS / 32, ROWS = FQ_MMA_ROWS;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const unsigned stride = gridDim.x * WARPS;
+    unsigned tile = blockIdx.x * WARPS + threadIdx.x / 32;
+    if (static_cast<unsigned long long>(tile) * ROWS >= rows) return;
+    TileRaw<S::SUB, S::NI> buf0, buf1;
+    load_tile_raw<D, BITS, T>(x, sx0, sx1, sx2, n1, n2, rows, tile * ROWS, g, t, buf0);
+    while (true) {
+        unsigned next = tile + stride;
+        bool has_next = static_cast<unsigned long long>(next) * ROWS < rows;  // uniform over the warp
+        if (has_next) load_tile_raw<D, BITS, T>(x, sx0, sx1, sx2, n1, n2, rows, next * ROWS, g, t, buf1);
+#pragma unroll
+        for (int u = 0; u < S::SUB; ++u)
+            compress_mma_subtile<D, BITS, T, NC, MODE>(buf0.c[u], tile * ROWS + 8 * u + g, t, rows, bucket, bfrag,
+                                                       smask, s_csq, packed, norms);
+        if (!has_next) break;
+        tile = next;
+        next = tile + stride;
+        has_next = static_cast<unsigned long long>(next) * ROWS < rows;
+        if (has_next) load_tile_raw<D, BITS, T>(x, sx0, sx1, sx2, n1, n2, rows, next * ROWS, g, t, buf0);
+#pragma unroll
+        for (int u = 0; u < S::SUB; ++u)
+            compress_mma_subtile<D, BITS, T, NC, MODE>(buf1.c[u], tile * ROWS + 8 * u + g, t, rows, bucket, bfrag,
+                                                       smask, s_csq, packed, norms);
+        if (!has_next) break;
+        tile = next;
+    }
+}
+
 }  // namespace fq_compress
 
 template <int D, int BITS, typename T>
-__global__ void __launch_bounds__(256) tq_compress_hadamard(
+__global__ void __launch_bounds__(fq_compress::HadamardLaunch<D, T>::THREADS, fq_compress::HadamardLaunch<D, T>::MIN_BLOCKS)
+tq_compress_hadamard(
     const T* __restrict__ x, const long long sx0, const long long sx1, const long long sx2,
     const unsigned n1, const unsigned n1_magic, const unsigned n1_shift,
     const unsigned n2, const unsigned n2_magic, const unsigned n2_shift, const int rows,
@@ -324,8 +698,37 @@ __global__ void __launch_bounds__(256) tq_compress_hadamard(
     __shared__ TableSmem table;
     __shared__ float s_csq[S::LEVELS];
     Bucketizer<BITS> bucket;
-    bucket.setup(table, boundaries);
+    bucket.template setup<HadamardLaunch<D, T>::MMA>(table, boundaries);
     load_centroid_squares<S::LEVELS>(s_csq, centroids, norm_correction != 0);
+    const fq::FastDiv d1{n1, n1_magic, n1_shift}, d2{n2, n2_magic, n2_shift};
+    const unsigned urows = rows;
+    if constexpr (HadamardLaunch<D, T>::MMA) {
+        const int lane = threadIdx.x & 31;
+        unsigned bfrag[2][2];
+        hadamard16_b_fragments<T>(lane >> 2, lane & 3, bfrag);
+        uint4 smask[D / 32];
+        hadamard_sign_masks<D>(signs, lane & 3, smask);
+        __syncthreads();
+#define FQ_MMA_ROWS_CALL(NC, MODE) \
+    compress_mma_rows<D, BITS, T, NC, MODE>(x, sx0, sx1, sx2, d1, d2, urows, bucket, bfrag, smask, s_csq, packed, norms)
+        if constexpr (BITS < 4) {  // register bucketize: no table modes
+            if (norm_correction) FQ_MMA_ROWS_CALL(true, 1);
+            else FQ_MMA_ROWS_CALL(false, 1);
+        } else {
+            // Boundaries too close for the full-range table (or otherwise unusual): exact scan. Two modes only,
+            // to keep the instantiation's code (and NVRTC time) small.
+            const bool full = bucket.full_ok();  // uniform over the block
+            if (norm_correction) {
+                if (full) FQ_MMA_ROWS_CALL(true, 0);
+                else FQ_MMA_ROWS_CALL(true, 2);
+            } else {
+                if (full) FQ_MMA_ROWS_CALL(false, 0);
+                else FQ_MMA_ROWS_CALL(false, 2);
+            }
+        }
+#undef FQ_MMA_ROWS_CALL
+        return;
+    }
     // One bit per coordinate of this thread: set where the Hadamard sign is negative.
     const int t = threadIdx.x % S::LANES;
     unsigned neg = 0;
@@ -336,8 +739,6 @@ __global__ void __launch_bounds__(256) tq_compress_hadamard(
             neg |= (__ldg(signs + (v * S::LANES + t) * 8 + j) < 0.f ? 1u : 0u) << (v * 8 + j);
     __syncthreads();
     const bool slow = bucket.slow();
-    const fq::FastDiv d1{n1, n1_magic, n1_shift}, d2{n2, n2_magic, n2_shift};
-    const unsigned urows = rows;
     if (norm_correction) {
         if (slow) compress_hadamard_rows<D, BITS, T, true, true>(x, sx0, sx1, sx2, d1, d2, urows, bucket, neg, s_csq, packed, norms);
         else compress_hadamard_rows<D, BITS, T, true, false>(x, sx0, sx1, sx2, d1, d2, urows, bucket, neg, s_csq, packed, norms);

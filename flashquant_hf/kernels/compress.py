@@ -2,8 +2,10 @@
 
 Same signature and results as :func:`flashquant_hf.reference.compress.compress`, except that an index may
 differ where a rotated coordinate lies within float rounding (~1e-7) of a boundary. With ``hadamard_signs``
-the rotation runs as a fast Walsh-Hadamard transform (the kernel then trusts that ``rotation`` equals
-``H diag(s) / sqrt(D)``); otherwise ``rotation`` is used as a dense fp32 matrix.
+the rotation runs as a Walsh-Hadamard transform (the kernel then trusts that ``rotation`` equals
+``H diag(s) / sqrt(D)``): on tensor cores for fp16/bf16 inputs at head_dim 64 and 128 (exact +-1 products,
+fp32 accumulation), as a fast transform in registers and shuffles otherwise. Without them ``rotation`` is
+used as a dense fp32 matrix.
 
 Head dims and bit widths outside :data:`HEAD_DIMS` x :data:`BITS` fall back to the PyTorch reference on the
 same device (logged once). Importing this module does not import CuPy.
@@ -52,11 +54,40 @@ THREADS = 256
 
 
 def hadamard_lanes(head_dim: int, dtype: torch.dtype) -> int:
-    """Threads per row of ``tq_compress_hadamard`` (cuda/compress.cu ``hadamard_lanes``): 16 coordinates per
-    thread, 32 for 16-bit inputs at head_dim 128 (measured faster there)."""
+    """Threads per row of the FWHT variant of ``tq_compress_hadamard`` (cuda/compress.cu ``hadamard_lanes``):
+    16 coordinates per thread, 32 for 16-bit inputs at head_dim 128."""
     if head_dim == 128 and dtype != torch.float32:
         return 4
     return {64: 4, 128: 8, 256: 16}[head_dim]
+
+
+def _macros(options: Sequence[str]) -> dict[str, str]:
+    """``-DNAME=VALUE`` NVRTC options as a dict (``-DNAME`` alone gives "1")."""
+    out = {}
+    for opt in options:
+        if opt.startswith("-D"):
+            name, _, value = opt[2:].partition("=")
+            out[name] = value or "1"
+    return out
+
+
+def hadamard_uses_mma(head_dim: int, dtype: torch.dtype, options: Sequence[str] = ()) -> bool:
+    """Whether ``tq_compress_hadamard`` runs its tensor-core transform (cuda/compress.cu ``hadamard_mma``):
+    16-bit inputs at head_dim 64 or 128, unless compiled with ``-DFQ_HADAMARD_MMA=0``."""
+    enabled = int(_macros(options).get("FQ_HADAMARD_MMA", "1")) != 0
+    return enabled and head_dim in (64, 128) and dtype in (torch.float16, torch.bfloat16)
+
+
+def hadamard_launch(
+    head_dim: int, dtype: torch.dtype, options: Sequence[str] = (), lanes_override: int | None = None
+) -> tuple[int, int]:
+    """(threads per CTA, rows per CTA and loop iteration) of ``tq_compress_hadamard`` compiled with ``options``
+    (cuda/compress.cu ``HadamardLaunch``: the tensor-core kernel gives each warp FQ_MMA_ROWS rows)."""
+    if hadamard_uses_mma(head_dim, dtype, options):
+        macros = _macros(options)
+        threads = int(macros.get("FQ_MMA_THREADS", "128"))
+        return threads, threads // 32 * int(macros.get("FQ_MMA_ROWS", "8"))
+    return THREADS, THREADS // (lanes_override or hadamard_lanes(head_dim, dtype))
 
 
 # Dense kernel: rows per tile, dynamic shared memory, and CTAs that fit on one SM (registers / shared memory).
@@ -263,8 +294,10 @@ def launch_compress(
 ) -> None:
     """Launch the compress kernel into preallocated contiguous ``packed``/``norms`` (no validation).
 
-    ``options`` are extra NVRTC options (benchmarks compile variants, e.g. ``-DFQ_HADAMARD_LANES_128=16``;
-    pass the matching ``hadamard_lanes_override`` so the grid matches).
+    ``options`` are extra NVRTC options selecting compile-time variants (benchmarks and tests):
+    ``-DFQ_HADAMARD_MMA=0`` (FWHT instead of the tensor-core transform), ``-DFQ_MMA_ROWS=16``,
+    ``-DFQ_MMA_THREADS=256``, ``-DFQ_HADAMARD_LANES_128=8`` (FWHT; pass the matching
+    ``hadamard_lanes_override``). The launch shape follows them (:func:`hadamard_launch`).
     """
     head_dim = x.shape[-1]
     x = aligned_rows(x, 16)
@@ -280,9 +313,10 @@ def launch_compress(
     centroids_arg = centroids if centroids is not None else boundaries  # never read without norm correction
     if not rotation.is_contiguous() or rotation.data_ptr() % 16:  # the dense kernel reads Pi as float4
         rotation = rotation.clone(memory_format=torch.contiguous_format)
+    threads = THREADS
     if hadamard_signs is not None:
-        lanes = hadamard_lanes_override or hadamard_lanes(head_dim, x.dtype)
-        groups = -(-rows // (THREADS // lanes))
+        threads, rows_per_cta = hadamard_launch(head_dim, x.dtype, options, hadamard_lanes_override)
+        groups = -(-rows // rows_per_cta)
         grid = min(groups, sm_count(index) * _WAVES)
         name, table, smem = kernel_name("hadamard", head_dim, bits, x.dtype), hadamard_signs.contiguous(), 0
     else:
@@ -295,4 +329,4 @@ def launch_compress(
         *fast_divider(sizes[1]), *fast_divider(sizes[2]), rows,
         table, boundaries.contiguous(), centroids_arg.contiguous(), bool(norm_correction), packed, norms,
     )
-    loader.launch(kernel, (grid,), (THREADS,), args, device, shared_mem=smem)
+    loader.launch(kernel, (grid,), (threads,), args, device, shared_mem=smem)

@@ -37,19 +37,33 @@ def _cases() -> list[tuple[str, int, int, torch.dtype]]:
     for path in kc.ROTATION_PATHS:
         if (path, 128, 4, torch.bfloat16) not in cases:
             cases.append((path, 128, 4, torch.bfloat16))
+    # Every (head_dim, bits) of the tensor-core Hadamard kernel with a 16-bit dtype.
+    for head_dim in (64, 128):
+        for bits in kc.BITS:
+            if not any(c[:3] == ("hadamard", head_dim, bits) and c[3] != torch.float32 for c in cases):
+                cases.append(("hadamard", head_dim, bits, DTYPES[bits % 2]))
     return cases
 
 
 CASES = _cases()
+# Compile-time variants of the Hadamard kernel that the benchmark times (the defaults are covered by CASES).
+VARIANTS = [
+    ("fwht", ("-DFQ_HADAMARD_MMA=0",)),
+    ("mma paired table", ("-DFQ_MMA_TABLE_PAIRED=1",)),
+    ("mma 16 rows", ("-DFQ_MMA_ROWS=16",)),
+    ("mma 256 threads", ("-DFQ_MMA_THREADS=256",)),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _compiled():
     """Compile every instantiation this module launches up front, in parallel (NVRTC releases the GIL)."""
-    names = sorted({kc.kernel_name(p, d, b, t) for p, d, b, t in CASES})
+    jobs = sorted({(kc.kernel_name(p, d, b, t), ()) for p, d, b, t in CASES})
+    jobs += [(kc.kernel_name("hadamard", 128, 4, t), options) for _, options in VARIANTS
+             for t in (torch.bfloat16, torch.float16)]
     device = torch.device("cuda", torch.cuda.current_device())
     with ThreadPoolExecutor(max_workers=16) as pool:
-        list(pool.map(lambda n: loader.get_kernel(kc.CUDA_SOURCE, n, device), names))
+        list(pool.map(lambda j: loader.get_kernel(kc.CUDA_SOURCE, j[0], device, j[1]), jobs))
 
 
 @pytest.fixture(autouse=True)
@@ -103,11 +117,11 @@ def _near_boundary(x: torch.Tensor, rotation: torch.Tensor, boundaries: torch.Te
     return (y.unsqueeze(-1) - boundaries.double()).abs().amin(-1) < NEAR
 
 
-def _launch(x, rotation, boundaries, bits, centroids, nc, signs, poison):
+def _launch(x, rotation, boundaries, bits, centroids, nc, signs, poison, options=()):
     d = x.shape[-1]
     packed = poison(torch.empty(x.shape[:-1] + (packed_size(d, bits),), dtype=torch.uint8, device="cuda"))
     norms = poison(torch.empty(x.shape[:-1], dtype=torch.float32, device="cuda"))
-    kc.launch_compress(x, rotation, boundaries, bits, centroids, nc, signs, packed, norms)
+    kc.launch_compress(x, rotation, boundaries, bits, centroids, nc, signs, packed, norms, options)
     torch.cuda.synchronize()
     return packed, norms
 
@@ -183,20 +197,107 @@ def test_public_compress_equals_launch(path):
 
 
 @pytest.mark.parametrize("path", kc.ROTATION_PATHS)
-def test_closely_spaced_boundaries_use_the_exact_scan(path, poison):
-    """4-bit boundaries closer than the lookup table's cells (and two equal ones) still bucketize exactly."""
+@pytest.mark.parametrize("spacing", ["equal", "0.01"])
+def test_closely_spaced_boundaries_use_the_exact_scan(path, spacing, poison):
+    """4-bit boundaries closer than the lookup tables' cells still bucketize exactly: "equal" (1e-4 apart and two
+    equal ones: exact scan) and "0.01" (too close for the tensor-core kernel's full-range table: exact scan there;
+    the FWHT and dense kernels still use their saturating 64-cell table)."""
     head_dim, bits = 128, 4
     dtype = next(t for p, d, b, t in CASES if (p, d, b) == (path, head_dim, bits))
     rotation, signs = _rotation(path, head_dim, 11)
     centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
     boundaries = boundaries.clone()
-    boundaries[8] = boundaries[7] + 1e-4
-    boundaries[10] = boundaries[9]
+    if spacing == "equal":
+        boundaries[8] = boundaries[7] + 1e-4
+        boundaries[10] = boundaries[9]
+    else:
+        boundaries[8] = boundaries[7] + 0.01
     gen = torch.Generator(device="cuda").manual_seed(7)
     x = _inputs((2000, head_dim), dtype, gen)
     for nc in (False, True):
         packed, norms = _launch(x, rotation, boundaries, bits, centroids, nc, signs, poison)
-        _check(f"{path} close boundaries nc={nc}", x, packed, norms, rotation, boundaries, centroids, bits, nc)
+        _check(f"{path} {spacing} boundaries nc={nc}", x, packed, norms, rotation, boundaries, centroids, bits, nc)
+
+
+@pytest.mark.parametrize("label,options", VARIANTS, ids=[v[0] for v in VARIANTS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hadamard_variants_match_reference(label, options, dtype, poison):
+    head_dim, bits = 128, 4
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rotation, signs = _rotation("hadamard", head_dim, seed % 1000)
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    problems = []
+    for name, x in _views(head_dim, dtype, gen, big=True):
+        for nc in (False, True):
+            packed, norms = _launch(x, rotation, boundaries, bits, centroids, nc, signs, poison, options)
+            problems += _problems(f"{label} {dtype} {name} nc={nc} seed={seed}", x, packed, norms, rotation,
+                                  boundaries, centroids, bits, nc)
+    assert not problems, f"{len(problems)} failing settings:\n" + "\n".join(problems[:8])
+
+
+def _stress_rows(rows: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Gaussian rows (scales 1e-3..1e3), heavy-tailed rows (one coordinate 1e3 x the rest), sparse rows (1-3
+    nonzeros: rotated values +-k/sqrt(D) for small integers k) and rows of +-1: many coordinates land within
+    1e-5 of some boundary, and the tensor core's fp32 accumulation sees large dynamic ranges."""
+    x = torch.randn(rows, head_dim, generator=gen, device="cuda")
+    x *= 10.0 ** torch.randint(-3, 4, (rows, 1), generator=gen, device="cuda").float()
+    q = rows // 4
+    x[q : 2 * q, 0] *= 1e3
+    sparse = torch.zeros(q, head_dim, device="cuda")
+    for k in range(3):
+        cols = torch.randint(0, head_dim, (q,), generator=gen, device="cuda")
+        vals = torch.randint(-2, 3, (q,), generator=gen, device="cuda").float()
+        sparse[torch.arange(q, device="cuda"), cols] += vals
+    x[2 * q : 3 * q] = sparse
+    x[3 * q : 3 * q + q // 2] = torch.randint(0, 2, (q // 2, head_dim), generator=gen, device="cuda").float() * 2 - 1
+    return x.clamp(-6e4, 6e4).to(dtype)  # finite in fp16 too
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(128, torch.bfloat16), (128, torch.float16), (64, torch.bfloat16)])
+def test_tensor_core_hadamard_on_many_vectors_near_boundaries(head_dim, dtype, poison):
+    """2^20 vectors through the tensor-core transform: no index differs from the reference unless the exact
+    (float64) rotated coordinate is within 1e-6 of a boundary. With ~1e5 coordinates within 1e-5 of a boundary,
+    an error in the transform's summation order or rounding larger than ~1e-6 would show."""
+    bits, rows = 4, 1 << 20
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rotation, signs = _rotation("hadamard", head_dim, seed % 1000)
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    x = _stress_rows(rows, head_dim, dtype, gen)
+    assert kc.hadamard_uses_mma(head_dim, dtype)
+    packed, norms = _launch(x, rotation, boundaries, bits, centroids, False, signs, poison)
+    got = unpack_indices(packed, bits, head_dim)
+    x64 = x.double()
+    n64 = x64.norm(dim=-1)
+    y = (x64 / n64.clamp_min(TINY).unsqueeze(-1)) @ rotation.double().T
+    b64 = boundaries.double()
+    want = torch.bucketize(y, b64, right=True)  # exact float64 indices
+    # Distance to the nearest boundary: the one just below or just above y.
+    below = b64[(want - 1).clamp_min(0)].masked_fill(want == 0, float("inf"))
+    above = b64[want.clamp_max(len(b64) - 1)].masked_fill(want == len(b64), float("inf"))
+    dist = torch.minimum((y - below).abs(), (above - y).abs())
+    differ = got != want
+    assert int((dist < 1e-5).sum()) > 1000, "the stress set should put many coordinates near a boundary"
+    worst = dist[differ].max().item() if differ.any() else 0.0
+    assert worst < NEAR, (f"seed={seed}: {int(differ.sum())} indices differ from float64 bucketize, up to {worst:.3g} "
+                          f"from a boundary ({int((differ & (dist >= NEAR)).sum())} beyond {NEAR})")
+    assert ((norms.double() - n64).abs() <= 1e-5 * n64).all()
+
+
+def test_tiny_rows_take_the_exact_fallback(poison):
+    """Tiles whose squared norms fall below the full-range table's guard (1e-30) use the exact scan: rows of
+    magnitude ~1e-18 mixed with ordinary rows in the same 8-row tiles still match the reference."""
+    head_dim, bits = 128, 4
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rotation, signs = _rotation("hadamard", head_dim, 4)
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    x = torch.randn(4096, head_dim, generator=gen, device="cuda")
+    x[::3] *= 3e-18
+    x = x.to(torch.bfloat16)
+    for nc in (False, True):
+        packed, norms = _launch(x, rotation, boundaries, bits, centroids, nc, signs, poison)
+        _check(f"tiny rows nc={nc}", x, packed, norms, rotation, boundaries, centroids, bits, nc)
 
 
 def test_unsupported_sizes_fall_back_to_the_reference():
