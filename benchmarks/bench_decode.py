@@ -11,7 +11,7 @@ median per call, SDPA timed the same way:
 
 SDPA gets its fastest GQA form (``enable_gqa``, the group folded into the query length, or pre-expanded K/V).
 The CTA shape (4 or 8 warps) and the L2 prefetch distance are swept first and the best pair is used for the
-headline rows. ``*_cpu_us_per_call`` is the host time per call (fast cached launch vs CuPy's launch).
+headline rows; the contiguous layout's prefetch distance (0 or 1) is swept on its own. ``*_cpu_us_per_call`` is the host time per call (fast cached launch vs CuPy's launch).
 """
 
 from __future__ import annotations
@@ -245,6 +245,16 @@ def run(record) -> None:
     def fused(s):
         return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)
 
+    # The contiguous layout has its own L2 prefetch distance (its keys and values are loaded separately).
+    times = {}
+    for prefetch in (0, 1):
+        pd.CONTIGUOUS_PREFETCH_CHUNKS = prefetch
+        pd.clear_caches()
+        times[prefetch] = _gpu_ms(fused, sets, reps=15)
+    pd.CONTIGUOUS_PREFETCH_CHUNKS = min(times, key=times.get)
+    pd.clear_caches()
+    print("    contiguous sweep (us): " + " ".join(f"pf{p}={t * 1e3:.1f}" for p, t in times.items()))
+    record("decode_tuned_contiguous_prefetch_chunks", pd.CONTIGUOUS_PREFETCH_CHUNKS, "chunks")
     ms = _gpu_ms(fused, sets)
     record("fused_decode_ms_b8_n32k", ms, "ms")
     record("fused_decode_speedup_b8_n32k", sdpa_b8 / ms, "x", ">= 2.5")

@@ -15,10 +15,12 @@
 //     dim (low nibble). The two keys 2t, 2t+1 of one A register are merged into one byte (high nibbles of both,
 //     or low nibbles of both) with two logic ops, then looked up like a key byte.
 // The table maps a byte to the packed pair (centroid[high nibble] in the low half, centroid[low nibble] in the
-// high half), in the mma element type, with one copy per lane (word e*32 + lane) so lookups never conflict.
+// high half), in the mma element type, with one copy per lane (K and V tables interleaved, entry e of lane l at
+// e*256 + tab*128 + l*4, see Lut) so lookups never conflict and one PRMT builds a lookup's address.
 //
 // Softmax runs in the log2 domain (log2(e) folded into the scale); norms scale the scores per key after the
-// mma and P (not the denominator) is multiplied by the value norms before the transpose. Each split writes a
+// mma and P (not the denominator) is multiplied by the value norms before the transpose. The column maxima are
+// reduced across lanes only when a vote finds a lane whose scores exceed the running max. Each split writes a
 // normalised partial output and its natural-log lse (-inf, out 0 for an empty split); split_k_reduce.cu merges.
 //
 // Template parameters: D head dim (64/128/256), QK query dtype (0 fp16 -> fp16 mma, 1 bf16, 2 fp32 -> bf16 mma),
@@ -33,10 +35,21 @@ typedef unsigned int u32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kLutBytes = 256 * 32 * 4;  // one byte->pair table, one 4-byte copy per lane
-constexpr int kPagesOffset = 2 * kLutBytes;
+// The table block sits at the fixed shared-window address kLutWindow (the 1 KB the driver reserves per CTA ends
+// there), so a lookup's LDS takes that address as its immediate ([R + 0x400]) instead of adding a base register.
+// The block starts kLutWindow - (window address of smem) bytes into the dynamic allocation, which has kLutSlack
+// bytes of room for that.
+constexpr unsigned int kLutWindow = 0x400;
+constexpr int kLutSlack = 1024;
+constexpr int kPagesOffset = kLutSlack + 2 * kLutBytes;
 
 enum { kQHalf = 0, kQBf16 = 1, kQFloat = 2 };
 enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
+// Independent accumulators of S^T = K Q^T in the paged kernel (the contiguous ones keep 2: 4 spill there).
+#ifndef FQD_QK_CHAINS_PAGED
+#define FQD_QK_CHAINS_PAGED 2
+#endif
+enum { kPartK = 1, kPartV = 2, kPartKV = 3 };  // which half of a tile a load fetches
 
 template <int D, int W = 4>
 struct Traits {
@@ -154,37 +167,23 @@ __device__ __forceinline__ float load_query(const void* q, long long index) {
   }
 }
 
-// Byte K of w in the low byte (one ALU op: LOP3, PRMT or SHF).
-template <int K>
-__device__ __forceinline__ u32 byte_of(u32 w) {
-  if constexpr (K == 0) {
-    return w & 0xFFu;
-  } else if constexpr (K == 3) {
-    return w >> 24;
-  } else {
-    return __byte_perm(w, 0u, 0x4440u | K);
-  }
-}
-
-// This lane's view of one byte->pair table: entry e of lane l lives at e * 128 + l * 4 (bank = lane).
-// The entry stride (128) is derived from blockDim.x: an opaque multiplier keeps the address on
-// the FMA pipe as one IMAD (byte * stride + lane base) instead of an ALU shift-add, so a lookup costs
-// 1 ALU + 1 IMAD + 1 LDS. The lane base is a 32-bit shared address hidden from the optimiser so that it is
-// not split again into "shared window base + lane offset" (one more add per lookup).
+// This lane's view of the two byte->pair tables. Entry e of table `tab` (0 K, 1 V) for lane l lives at byte
+// e * 256 + tab * 128 + l * 4 of the table block (bank = lane, no conflicts), so the offset of an entry is the
+// lane's constant (l * 4 + tab * 128, byte 0) with the entry in byte 1: one PRMT builds it from the packed word,
+// and the block's fixed shared-window address (kLutWindow) is the LDS immediate. A lookup costs 1 ALU + 1 LDS
+// (version 3: byte extract + IMAD + LDS; with the base in a register, ptxas adds an IMAD.IADD per lookup).
 struct Lut {
-  u32 lane_base;
-  u32 stride;
+  u32 lane;  // l * 4 + tab * 128
 
-  __device__ __forceinline__ Lut(const unsigned char* table, int lane, u32 entry_stride) : stride(entry_stride) {
-    lane_base = static_cast<u32>(__cvta_generic_to_shared(table)) + static_cast<u32>(lane) * 4u;
-    asm volatile("" : "+r"(lane_base));
-  }
+  __device__ __forceinline__ Lut(int lane_id, int tab) : lane(static_cast<u32>(lane_id) * 4u + tab * 128u) {}
 
   template <int K>
   __device__ __forceinline__ u32 get(u32 w) const {
     u32 value;
     // volatile: LLVM must not sink the load past the barrier before the merge reuses this memory.
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(value) : "r"(byte_of<K>(w) * stride + lane_base));
+    asm volatile("ld.shared.u32 %0, [%1+%2];"
+                 : "=r"(value)
+                 : "r"(__byte_perm(w, lane, 0x7604u | (K << 4))), "n"(kLutWindow));
     return value;
   }
 };
@@ -224,13 +223,36 @@ struct KVAddress {
   int page0, log2_bs;
   u32 page_stride;                        // paged: bytes per block (all heads)
 
-  // Loads the lane's slice of the tile starting at key ts; keys past `last` are clamped to it (masked later).
+  // Loads the lane's slice of the tile starting at key ts (its keys and key norms / bias for PART kPartK, its
+  // values and value norms for kPartV); keys past `last` are clamped to it (masked later).
+  template <int PART>
   __device__ __forceinline__ void load(Tile<D>& tile, int ts, int last) const {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 rk0 = min(ts + g, last), rk1 = min(ts + g + 8, last);
     const u32 rv0 = min(ts + 2 * t, last), rv1 = min(ts + 2 * t + 1, last);
     const u32 rv2 = min(ts + 2 * t + 8, last), rv3 = min(ts + 2 * t + 9, last);
     if constexpr (MODE == kPaged) {
+      if (ts + 15 <= last && log2_bs >= 4) {
+        // Common case: a whole tile inside one block (blocks of >= 16 keys, tiles at multiples of 16). One page
+        // lookup; each section's address is two IMAD.WIDE, and the rows +1, +8, +9 are immediate offsets.
+        const u32 page = pages[(ts >> log2_bs) - page0];
+        const u32 r = static_cast<u32>(ts) & ((1u << log2_bs) - 1u);
+        const unsigned char* kp = at(at(k, page, page_stride), r + g, D / 2);
+        const unsigned char* vp = at(at(v, page, page_stride), r + 2 * t, D / 2);
+        const unsigned char* knp = at(at(kn, page, page_stride), r + g, 4);
+        const unsigned char* vnp = at(at(vn, page, page_stride), r + g, 4);
+        if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], kp);
+        if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], kp + 8 * (D / 2));
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], vp);
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], vp + D / 2);
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], vp + 8 * (D / 2));
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], vp + 9 * (D / 2));
+        if constexpr ((PART & kPartK) != 0) tile.kn[0] = load_f32(reinterpret_cast<const float*>(knp));
+        if constexpr ((PART & kPartK) != 0) tile.kn[1] = load_f32(reinterpret_cast<const float*>(knp + 32));
+        if constexpr ((PART & kPartV) != 0) tile.vn[0] = load_f32(reinterpret_cast<const float*>(vnp));
+        if constexpr ((PART & kPartV) != 0) tile.vn[1] = load_f32(reinterpret_cast<const float*>(vnp + 32));
+        return;
+      }
       // Tiles start at multiples of 16, so keys ts..ts+7 share a block, and so do ts+8..ts+15.
       const u32 plo = pages[(min(ts, last) >> log2_bs) - page0];  // a tile past `last` reuses its block
       const u32 phi = pages[(min(ts + 8, last) >> log2_bs) - page0];
@@ -243,30 +265,53 @@ struct KVAddress {
       const unsigned char* kn_hi = at(kn, phi, page_stride);
       const unsigned char* vn_lo = at(vn, plo, page_stride);
       const unsigned char* vn_hi = at(vn, phi, page_stride);
-      load_words(tile.k[0], at(k_lo, rk0 & mask, D / 2));
-      load_words(tile.k[1], at(k_hi, rk1 & mask, D / 2));
-      load_words(tile.v[0], at(v_lo, rv0 & mask, D / 2));
-      load_words(tile.v[1], at(v_lo, rv1 & mask, D / 2));
-      load_words(tile.v[2], at(v_hi, rv2 & mask, D / 2));
-      load_words(tile.v[3], at(v_hi, rv3 & mask, D / 2));
-      tile.kn[0] = load_f32(reinterpret_cast<const float*>(at(kn_lo, rk0 & mask, 4)));
-      tile.kn[1] = load_f32(reinterpret_cast<const float*>(at(kn_hi, rk1 & mask, 4)));
-      tile.vn[0] = load_f32(reinterpret_cast<const float*>(at(vn_lo, rk0 & mask, 4)));
-      tile.vn[1] = load_f32(reinterpret_cast<const float*>(at(vn_hi, rk1 & mask, 4)));
+      if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], at(k_lo, rk0 & mask, D / 2));
+      if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], at(k_hi, rk1 & mask, D / 2));
+      if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], at(v_lo, rv0 & mask, D / 2));
+      if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], at(v_lo, rv1 & mask, D / 2));
+      if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], at(v_hi, rv2 & mask, D / 2));
+      if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], at(v_hi, rv3 & mask, D / 2));
+      if constexpr ((PART & kPartK) != 0) tile.kn[0] = load_f32(reinterpret_cast<const float*>(at(kn_lo, rk0 & mask, 4)));
+      if constexpr ((PART & kPartK) != 0) tile.kn[1] = load_f32(reinterpret_cast<const float*>(at(kn_hi, rk1 & mask, 4)));
+      if constexpr ((PART & kPartV) != 0) tile.vn[0] = load_f32(reinterpret_cast<const float*>(at(vn_lo, rk0 & mask, 4)));
+      if constexpr ((PART & kPartV) != 0) tile.vn[1] = load_f32(reinterpret_cast<const float*>(at(vn_hi, rk1 & mask, 4)));
     } else {
-      load_words(tile.k[0], at(k, rk0, k_sn));
-      load_words(tile.k[1], at(k, rk1, k_sn));
-      load_words(tile.v[0], at(v, rv0, v_sn));
-      load_words(tile.v[1], at(v, rv1, v_sn));
-      load_words(tile.v[2], at(v, rv2, v_sn));
-      load_words(tile.v[3], at(v, rv3, v_sn));
-      tile.kn[0] = load_f32(reinterpret_cast<const float*>(at(kn, rk0, kn_sn)));
-      tile.kn[1] = load_f32(reinterpret_cast<const float*>(at(kn, rk1, kn_sn)));
-      tile.vn[0] = load_f32(reinterpret_cast<const float*>(at(vn, rk0, vn_sn)));
-      tile.vn[1] = load_f32(reinterpret_cast<const float*>(at(vn, rk1, vn_sn)));
+      if (ts + 15 <= last) {  // a whole tile: no clamping; rows +1, +8, +9 from the first row's address
+        const u32 r = static_cast<u32>(ts);
+        const unsigned char* kp = at(k, r + g, k_sn);
+        const unsigned char* vp = at(v, r + 2 * t, v_sn);
+        if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], kp);
+        if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], at(kp, 8u, k_sn));
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], vp);
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], vp + v_sn);
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], at(vp, 8u, v_sn));
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], at(vp, 9u, v_sn));
+        const unsigned char* knp = at(kn, r + g, kn_sn);
+        const unsigned char* vnp = at(vn, r + g, vn_sn);
+        if constexpr ((PART & kPartK) != 0) tile.kn[0] = load_f32(reinterpret_cast<const float*>(knp));
+        if constexpr ((PART & kPartK) != 0) tile.kn[1] = load_f32(reinterpret_cast<const float*>(at(knp, 8u, kn_sn)));
+        if constexpr ((PART & kPartV) != 0) tile.vn[0] = load_f32(reinterpret_cast<const float*>(vnp));
+        if constexpr ((PART & kPartV) != 0) tile.vn[1] = load_f32(reinterpret_cast<const float*>(at(vnp, 8u, vn_sn)));
+        if constexpr (MODE == kContiguousBias) {
+          const unsigned char* bp = at(bias, r + g, bias_sn);
+          if constexpr ((PART & kPartK) != 0) tile.bias[0] = load_f32(reinterpret_cast<const float*>(bp));
+          if constexpr ((PART & kPartK) != 0) tile.bias[1] = load_f32(reinterpret_cast<const float*>(at(bp, 8u, bias_sn)));
+        }
+        return;
+      }
+      if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], at(k, rk0, k_sn));
+      if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], at(k, rk1, k_sn));
+      if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], at(v, rv0, v_sn));
+      if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], at(v, rv1, v_sn));
+      if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], at(v, rv2, v_sn));
+      if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], at(v, rv3, v_sn));
+      if constexpr ((PART & kPartK) != 0) tile.kn[0] = load_f32(reinterpret_cast<const float*>(at(kn, rk0, kn_sn)));
+      if constexpr ((PART & kPartK) != 0) tile.kn[1] = load_f32(reinterpret_cast<const float*>(at(kn, rk1, kn_sn)));
+      if constexpr ((PART & kPartV) != 0) tile.vn[0] = load_f32(reinterpret_cast<const float*>(at(vn, rk0, vn_sn)));
+      if constexpr ((PART & kPartV) != 0) tile.vn[1] = load_f32(reinterpret_cast<const float*>(at(vn, rk1, vn_sn)));
       if constexpr (MODE == kContiguousBias) {
-        tile.bias[0] = load_f32(reinterpret_cast<const float*>(at(bias, rk0, bias_sn)));
-        tile.bias[1] = load_f32(reinterpret_cast<const float*>(at(bias, rk1, bias_sn)));
+        if constexpr ((PART & kPartK) != 0) tile.bias[0] = load_f32(reinterpret_cast<const float*>(at(bias, rk0, bias_sn)));
+        if constexpr ((PART & kPartK) != 0) tile.bias[1] = load_f32(reinterpret_cast<const float*>(at(bias, rk1, bias_sn)));
       }
     }
   }
@@ -299,22 +344,26 @@ template <int D>
 struct WarpState {
   float acc[Traits<D>::kMTiles][4];  // O^T: rows dims (D/8)g+2m (+1 for [2],[3]), cols heads 2t, 2t+1
   float m[2];                        // running max (log2 domain), uniform over g
+  float mu[2];                       // the value subtracted before exp2: m, or 0 while m is -inf
   float l[2];                        // partial denominators over this lane's keys
 };
 
-// One warp iteration: kTiles tiles of 16 keys starting at ts0.
-template <int D, int W, bool F16PV, int MODE>
+// One warp iteration: kTiles tiles of 16 keys starting at ts0. `after_qk()` runs once the keys and key norms
+// of `tiles` have been consumed (the caller refills them there); only values and value norms are read after it.
+template <int D, int W, bool F16PV, int MODE, class AfterQK>
 __device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&tiles)[Traits<D, W>::kTiles],
                                               const u32 (&qf)[Traits<D>::kSteps][2], const Lut& lut_k,
                                               const Lut& lut_v, int ts0, int end,
-                                              float scale_log2, int g) {
+                                              float scale_log2, int g, AfterQK after_qk) {
   using T = Traits<D, W>;
   float s[T::kTiles][4];
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
-    // Two accumulators (even / odd k-steps) halve the dependent mma chain.
-    float s_odd[4] = {0.f, 0.f, 0.f, 0.f};
-    s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    // kQKChains accumulators (k-steps round-robin) shorten the dependent mma chain.
+    constexpr int kQKChains = MODE == kPaged ? FQD_QK_CHAINS_PAGED : 2;
+    float acc_qk[kQKChains][4];
+#pragma unroll
+    for (int a = 0; a < kQKChains; ++a) acc_qk[a][0] = acc_qk[a][1] = acc_qk[a][2] = acc_qk[a][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < T::kSteps; ++kk) {
       const u32 w0 = tiles[j].k[0][kk >> 1];
@@ -331,14 +380,14 @@ __device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&
         a2 = lut_k.get<1>(w0);
         a3 = lut_k.get<1>(w1);
       }
-      if (kk & 1) {
-        mma16816<true>(s_odd, a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
-      } else {
-        mma16816<true>(s[j], a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
-      }
+      mma16816<true>(acc_qk[kk % kQKChains], a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) s[j][i] += s_odd[i];
+    for (int i = 0; i < 4; ++i) {
+      s[j][i] = acc_qk[0][i];
+#pragma unroll
+      for (int a = 1; a < kQKChains; ++a) s[j][i] += acc_qk[a][i];
+    }
     const float k0 = tiles[j].kn[0] * scale_log2, k1 = tiles[j].kn[1] * scale_log2;
     s[j][0] *= k0;
     s[j][1] *= k0;
@@ -352,6 +401,7 @@ __device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&
       s[j][3] += b1;
     }
   }
+  after_qk();
   if (ts0 + T::kChunk > end) {  // only the last iteration of a split has keys past its end
 #pragma unroll
     for (int j = 0; j < T::kTiles; ++j) {
@@ -359,27 +409,31 @@ __device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&
       if (ts0 + 16 * j + g + 8 >= end) s[j][2] = s[j][3] = -inf();
     }
   }
-  float mx0 = -inf(), mx1 = -inf();
+  float mx0 = fmaxf(s[0][0], s[0][2]), mx1 = fmaxf(s[0][1], s[0][3]);
 #pragma unroll
-  for (int j = 0; j < T::kTiles; ++j) {
+  for (int j = 1; j < T::kTiles; ++j) {
     mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][2]));
     mx1 = fmaxf(mx1, fmaxf(s[j][1], s[j][3]));
   }
+  // Once the running max has settled, no lane's scores exceed it: one vote then replaces the column-max
+  // shuffles and the rescale. Only when some lane's score is above its column's max are the lane maxima reduced
+  // over the 8 lanes of each column and the accumulators rescaled.
+  if (__any_sync(0xffffffffu, (mx0 > st.m[0]) | (mx1 > st.m[1]))) {
 #pragma unroll
-  for (int off = 4; off < 32; off <<= 1) {
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-  }
-  const float mn0 = fmaxf(st.m[0], mx0), mn1 = fmaxf(st.m[1], mx1);
-  // A column that has seen only masked keys keeps max -inf; subtract 0 instead so no inf - inf appears.
-  const float mu0 = mn0 == -inf() ? 0.f : mn0, mu1 = mn1 == -inf() ? 0.f : mn1;
-  const float al0 = ex2(st.m[0] - mu0), al1 = ex2(st.m[1] - mu1);
-  st.m[0] = mn0;
-  st.m[1] = mn1;
-  st.l[0] *= al0;
-  st.l[1] *= al1;
-  // Once the running max has settled it rarely moves: skip the accumulator rescale when no lane needs it.
-  if (__any_sync(0xffffffffu, (al0 != 1.f) | (al1 != 1.f))) {
+    for (int off = 4; off < 32; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float mn0 = fmaxf(st.m[0], mx0), mn1 = fmaxf(st.m[1], mx1);
+    // A column that has seen only masked keys keeps max -inf; subtract 0 instead so no inf - inf appears.
+    const float mu0 = mn0 == -inf() ? 0.f : mn0, mu1 = mn1 == -inf() ? 0.f : mn1;
+    const float al0 = ex2(st.m[0] - mu0), al1 = ex2(st.m[1] - mu1);
+    st.m[0] = mn0;
+    st.m[1] = mn1;
+    st.mu[0] = mu0;
+    st.mu[1] = mu1;
+    st.l[0] *= al0;
+    st.l[1] *= al1;
 #pragma unroll
     for (int m = 0; m < T::kMTiles; ++m) {
       st.acc[m][0] *= al0;
@@ -388,6 +442,7 @@ __device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&
       st.acc[m][3] *= al1;
     }
   }
+  const float mu0 = st.mu[0], mu1 = st.mu[1];
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
     const float p0 = ex2(s[j][0] - mu0), p1 = ex2(s[j][1] - mu1);
@@ -479,12 +534,15 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     return;
   }
 
-  // Byte -> centroid-pair tables for K (fp16) and V (PV type), replicated per lane (16-byte stores fill 4
-  // lanes' copies).
+  // Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
+  // (16-byte stores fill 4 lanes' copies).
+  const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFFFFu;  // low bits: CTA window
+  if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
+  unsigned char* const table = smem + (kLutWindow - window);
   for (int i = tid; i < 2 * 256 * 8; i += kThreads) {
     const int tab = i >> 11, e = (i >> 3) & 255, grp = i & 7;
     const u32 val = tab ? pack2<F16PV>(v_cent[e >> 4], v_cent[e & 15]) : pack2<true>(k_cent[e >> 4], k_cent[e & 15]);
-    *reinterpret_cast<uint4*>(smem + tab * kLutBytes + e * 128 + grp * 16) = make_uint4(val, val, val, val);
+    *reinterpret_cast<uint4*>(table + e * 256 + tab * 128 + grp * 16) = make_uint4(val, val, val, val);
   }
 
   const int lane = tid & 31, warp = tid >> 5;
@@ -556,20 +614,28 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 #pragma unroll
   for (int m = 0; m < T::kMTiles; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
   st.m[0] = st.m[1] = -inf();
+  st.mu[0] = st.mu[1] = 0.f;
   st.l[0] = st.l[1] = 0.f;
 
   __syncthreads();  // tables and pages are ready
 
-  const Lut lut_k(smem, lane, blockDim.x / (W / 4));
-  const Lut lut_v(smem + kLutBytes, lane, blockDim.x / (W / 4));
+  const Lut lut_k(lane, 0);
+  const Lut lut_v(lane, 1);
   const int last = s1 - 1;
   const int nchunks = (s1 - s0 + T::kChunk - 1) / T::kChunk;
   Tile<D> bufa[T::kTiles], bufb[T::kTiles];
 
-  // Warps take chunks round-robin. Chunk c + kWarps is loaded into registers while chunk c is computed, and
-  // chunk c + (1 + prefetch) * kWarps is prefetched into L2, which keeps several chunks per warp in flight
-  // towards HBM without holding registers for them. Unrolled twice so the two register buffers swap roles
-  // without copies.
+  // Warps take chunks round-robin, with the registers of two chunks (bufa, bufb) swapping roles (the loop is
+  // unrolled twice, so no copies). Chunk c + (1 + prefetch) * kWarps is prefetched into L2, which keeps more bytes
+  // per warp in flight without registers.
+  //  * Contiguous layouts (kSplitLoads): the values of chunk c + kWarps are loaded when chunk c starts, its keys
+  //    one iteration earlier, right after chunk c - kWarps's keys were consumed (its QK mma), into the registers
+  //    they freed. Keys, which an iteration needs first, and values both get ~1.5 iterations to arrive.
+  //  * Paged: all of chunk c + kWarps is loaded when chunk c starts (one page lookup per tile instead of two);
+  //    measured on the H200 (docs/kernels_decode.md, version 4), split loads were 1-2 % slower here and 5 %
+  //    faster on the contiguous layout.
+  constexpr bool kSplitLoads = MODE != kPaged;
+  constexpr int kAhead = kSplitLoads ? kPartV : kPartKV;  // what is loaded for chunk c + kWarps when c starts
   int c = warp;
   for (int i = 1; i <= prefetch; ++i) {
     const int cp = c + i * kWarps;
@@ -577,27 +643,43 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   }
   if (c < nchunks) {
 #pragma unroll
-    for (int j = 0; j < T::kTiles; ++j) kv.load(bufa[j], s0 + c * T::kChunk + 16 * j, last);
+    for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartKV>(bufa[j], s0 + c * T::kChunk + 16 * j, last);
+  }
+  if (kSplitLoads && c + kWarps < nchunks) {
+#pragma unroll
+    for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], s0 + (c + kWarps) * T::kChunk + 16 * j, last);
   }
   while (c < nchunks) {
     int cn = c + kWarps;
     if (cn < nchunks) {
 #pragma unroll
-      for (int j = 0; j < T::kTiles; ++j) kv.load(bufb[j], s0 + cn * T::kChunk + 16 * j, last);
+      for (int j = 0; j < T::kTiles; ++j) kv.template load<kAhead>(bufb[j], s0 + cn * T::kChunk + 16 * j, last);
     }
     int cp = c + (prefetch + 1) * kWarps;
     if (prefetch > 0 && cp < nchunks) kv.prefetch_chunk(s0 + cp * T::kChunk, last, T::kChunk);
-    process_chunk<D, W, F16PV, MODE>(st, bufa, qf, lut_k, lut_v, s0 + c * T::kChunk, s1, scale_log2, g);
+    process_chunk<D, W, F16PV, MODE>(st, bufa, qf, lut_k, lut_v, s0 + c * T::kChunk, s1, scale_log2, g, [&]() {
+      const int ck = c + 2 * kWarps;
+      if (kSplitLoads && ck < nchunks) {
+#pragma unroll
+        for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufa[j], s0 + ck * T::kChunk + 16 * j, last);
+      }
+    });
     c = cn;
     if (c >= nchunks) break;
     cn = c + kWarps;
     if (cn < nchunks) {
 #pragma unroll
-      for (int j = 0; j < T::kTiles; ++j) kv.load(bufa[j], s0 + cn * T::kChunk + 16 * j, last);
+      for (int j = 0; j < T::kTiles; ++j) kv.template load<kAhead>(bufa[j], s0 + cn * T::kChunk + 16 * j, last);
     }
     cp = c + (prefetch + 1) * kWarps;
     if (prefetch > 0 && cp < nchunks) kv.prefetch_chunk(s0 + cp * T::kChunk, last, T::kChunk);
-    process_chunk<D, W, F16PV, MODE>(st, bufb, qf, lut_k, lut_v, s0 + c * T::kChunk, s1, scale_log2, g);
+    process_chunk<D, W, F16PV, MODE>(st, bufb, qf, lut_k, lut_v, s0 + c * T::kChunk, s1, scale_log2, g, [&]() {
+      const int ck = c + 2 * kWarps;
+      if (kSplitLoads && ck < nchunks) {
+#pragma unroll
+        for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], s0 + ck * T::kChunk + 16 * j, last);
+      }
+    });
     c = cn;
   }
 

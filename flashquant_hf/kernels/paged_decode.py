@@ -6,9 +6,9 @@ partial-result workspace and the launch. Both layouts run the same kernel templa
 computation differs (template ``MODE``).
 
 Host-side plan, once per (shape, length bucket) and reused by every layer of a decode step: the key range of
-each (sequence, KV head) is cut into ``splits`` equal pieces of ``split_len`` keys (a multiple of the 4 warps'
-iteration size), chosen to fill ``SMs x CTAs-per-SM`` slots in whole waves; with one split the kernel writes the
-result directly, otherwise ``split_k_reduce.cu`` merges the partials.
+each (sequence, KV head) is cut into ``splits`` equal pieces of ``split_len`` keys (a multiple of ``GRANULE``,
+the keys of one round of all warps of a CTA), chosen to fill ``SMs x CTAs-per-SM`` slots in whole waves; with one
+split the kernel writes the result directly, otherwise ``split_k_reduce.cu`` merges the partials.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 import struct
 import threading
 from dataclasses import dataclass
@@ -55,11 +56,14 @@ NAME_EXPRESSIONS: tuple[str, ...] = tuple(
 )
 
 HEADS_PER_CTA = 8  # the n = 8 head slots of one mma tile
-LUT_BYTES = 2 * 256 * 32 * 4  # K and V byte->pair tables, one copy per lane
+LUT_BYTES = 2 * 256 * 32 * 4 + 1024  # K and V byte->pair tables, one copy per lane, + kLutSlack
 MAX_PAGE_BYTES = 4096  # shared-memory copy of one split's block-table slice
 GRANULE = 128  # keys per round of all warps of a CTA (Traits<D, W>::kChunk * W for every instantiation)
-# Tuned on the H200 by benchmarks/bench_decode.py (sweep of 0-3 x 1-3 over the three benchmark shapes):
-PREFETCH_CHUNKS = 0  # L2 prefetch distance, in warp iterations beyond the register prefetch (0: off)
+# Tuned on the H200 by benchmarks/bench_decode.py (sweep over the three benchmark shapes, version 4):
+PREFETCH_CHUNKS = 1  # paged: L2 prefetch distance, in warp iterations beyond the register prefetch (0: off)
+CONTIGUOUS_PREFETCH_CHUNKS = 0  # the same for tq_decode (its split key/value loads gained nothing from it)
+# Extra NVRTC options of the decode kernels (experiments, e.g. "-DFQD_QK_CHAINS_PAGED=4"); part of every cache key.
+KERNEL_OPTIONS: tuple[str, ...] = tuple(os.environ.get("FQ_DECODE_NVRTC_OPTIONS", "").split())
 SLOT_FACTOR = 1.0  # planned CTA slots = SMs x resident CTAs x SLOT_FACTOR
 OVERHEAD_KEYS = 128  # per-CTA start/merge cost, in keys of streaming
 PARTIAL_KEYS = 64  # cost of writing + merging one partial result, in keys
@@ -86,12 +90,12 @@ def _sm_count(device_index: int) -> int:
 
 
 @functools.cache
-def _prepared_kernel(name: str, device_index: int) -> tuple[Any, int]:
+def _prepared_kernel(name: str, device_index: int, options: tuple[str, ...] = ()) -> tuple[Any, int]:
     """The kernel with its shared-memory limits raised, and how many of its CTAs fit on one SM."""
     device = torch.device("cuda", device_index)
     warps = int(name.rstrip(">").split(",")[-1])
     threads = 32 * warps
-    kernel = get_kernel(CUDA_SOURCE, name, device)
+    kernel = get_kernel(CUDA_SOURCE, name, device, options)
     smem = LUT_BYTES + MAX_PAGE_BYTES + 16
     kernel.max_dynamic_shared_size_bytes = smem
     try:
@@ -198,13 +202,14 @@ def clear_caches() -> None:
 
 def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_shape: tuple[int, int, int],
                 rows: int, length: int, log2_block_size: int | None) -> _Launch:
-    key = (mode, head_dim, query_kind, index, units_shape, rows, length, log2_block_size, WARPS, SLOT_FACTOR)
+    key = (mode, head_dim, query_kind, index, units_shape, rows, length, log2_block_size, WARPS, SLOT_FACTOR,
+           KERNEL_OPTIONS)
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
     batch, kv_heads, head_groups = units_shape
     warps = warps_for(head_dim)
-    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index)
+    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, KERNEL_OPTIONS)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
     merge = part_out = part_lse = None
@@ -316,7 +321,7 @@ def run_decode(
     args = (
         q3, np.int64(q_strides[0]), np.int64(q_strides[1]), np.int64(q_strides[2]), *tensor_args,
         centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, plan.split_len,
-        part_out, part_lse, rows, PREFETCH_CHUNKS,
+        part_out, part_lse, rows, PREFETCH_CHUNKS if mode == MODE_PAGED else CONTIGUOUS_PREFETCH_CHUNKS,
     )
     launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
     if plan.splits > 1:

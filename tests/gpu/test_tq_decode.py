@@ -93,6 +93,41 @@ def test_tq_decode_long_context_gqa4():
     assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
 
 
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_tq_decode_prefetch_distances(prefetch, monkeypatch):
+    """L2 prefetch on the contiguous layout (off by default there), with a partial last chunk per split."""
+    import flashquant_hf.kernels.paged_decode as pd
+
+    monkeypatch.setattr(pd, "CONTIGUOUS_PREFETCH_CHUNKS", prefetch)
+    pd.clear_caches()
+    cache = random_cache(2, 4, 6001, 128, capacity_extra=11, seed=40 + prefetch)
+    q = torch.randn(2, 16, 1, 128, device=DEV, dtype=torch.bfloat16)
+    c = centroids(128)
+    assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
+    pd.clear_caches()
+
+
+@pytest.mark.parametrize("pattern", ["rising", "late_spike", "falling"])
+def test_tq_decode_running_max_moves(pattern):
+    """The running max is reduced across lanes and the accumulators rescaled only when some lane's score
+    exceeds it (one vote otherwise): key norms that rise with the position move it in almost every tile, a single
+    large key late in a split moves it once after it has settled, falling norms never move it after the start."""
+    batch, kv_heads, num_keys = 2, 2, 5000
+    k, kn, v, vn = random_cache(batch, kv_heads, num_keys, 128, seed=17)
+    ramp = torch.linspace(0.5, 12.0, num_keys, device=DEV)
+    if pattern == "rising":
+        kn = (kn * 0 + ramp).contiguous()
+    elif pattern == "falling":
+        kn = (kn * 0 + ramp.flip(0)).contiguous()
+    else:
+        kn = kn.clone()
+        kn[:, :, num_keys - 40] = 60.0  # late in the last split of every (sequence, head)
+    q = torch.randn(batch, kv_heads * 4, 1, 128, device=DEV, dtype=torch.bfloat16)
+    c = centroids(128)
+    cache = (k, kn, v, vn)
+    assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
+
+
 def test_tq_decode_head_dim_256_and_group_16():
     cache = random_cache(1, 2, 777, 256, seed=8)
     q = torch.randn(1, 32, 1, 256, device=DEV, dtype=torch.bfloat16)  # group 16: two CTAs per KV head

@@ -1,0 +1,134 @@
+"""A few launches of the paged TQ4 decode on one benchmark shape, for Nsight Compute.
+
+    ncu --clock-control none --set full -k regex:tq_decode_kernel -s 3 -c 1 -o decode \
+        python benchmarks/profile_decode.py [--batch 8] [--keys 32768] [--warps 8] [--contiguous]
+
+Without ncu it also prints the GPU time per call (CUDA events, inputs rotated beyond L2), so a variant can be
+checked quickly. ``--warps``, ``--prefetch`` and ``--options`` (extra NVRTC options) override the tuned
+``paged_decode`` constants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_decode import BLOCK_SIZE, HEAD_DIM, KV_HEADS, Q_HEADS, _centroids, _contiguous_set, _paged_sets  # noqa: E402
+from benchmarks.timing import copies_to_exceed_l2  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--keys", type=int, default=32768)
+    parser.add_argument("--warps", type=int, default=None)
+    parser.add_argument("--prefetch", type=int, default=None)
+    parser.add_argument("--contiguous", action="store_true", help="tq_decode on the contiguous layout")
+    parser.add_argument("--options", default=None, help="extra NVRTC options, e.g. -DFQD_QK_CHAINS_PAGED=4")
+    parser.add_argument("--launches", type=int, default=6)
+    parser.add_argument("--time", action="store_true", help="also print the GPU time per call")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the paged decode at B=8/32K, 1/128K, 32/8K for every --sweep-options x L2 prefetch "
+                             "0/1 (interleaved rounds, one process), then exit")
+    parser.add_argument("--sweep-options", nargs="*", default=["", "-DFQD_QK_CHAINS_PAGED=4"])
+    args = parser.parse_args(argv)
+
+    import flashquant_hf.kernels.paged_decode as pd
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    if args.warps is not None:
+        pd.WARPS = args.warps
+    if args.prefetch is not None and args.contiguous:
+        pd.CONTIGUOUS_PREFETCH_CHUNKS = args.prefetch
+    elif args.prefetch is not None:
+        pd.PREFETCH_CHUNKS = args.prefetch
+    if args.options is not None:
+        pd.KERNEL_OPTIONS = tuple(args.options.split())
+    pd.clear_caches()
+    dev = torch.device("cuda")
+    c = _centroids(dev)
+    scale = HEAD_DIM**-0.5
+    if args.sweep:
+        _sweep(pd, c, scale, dev, args.sweep_options)
+        return
+    if args.contiguous:
+        tq_bytes = args.batch * KV_HEADS * args.keys * (HEAD_DIM + 8)
+        sets = [(*_contiguous_set(args.batch, args.keys, dev, seed),
+                 torch.randn(args.batch, Q_HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16))
+                for seed in range(copies_to_exceed_l2(tq_bytes))]
+
+        def fn(s):
+            return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)
+    else:
+        sets = _paged_sets(args.batch, args.keys, BLOCK_SIZE, dev)
+
+        def fn(s):
+            return pd.paged_decode(s[3], s[0], s[1], s[2], c, c, 4, 4, scale, BLOCK_SIZE, args.keys)
+
+    for i in range(args.launches):
+        fn(sets[i % len(sets)])
+    torch.cuda.synchronize()
+    if args.time:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for r in range(30):
+            torch.cuda._sleep(4_000_000)
+            start.record()
+            for i in range(8):
+                fn(sets[(r + i) % len(sets)])
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 8)
+        pf = pd.CONTIGUOUS_PREFETCH_CHUNKS if args.contiguous else pd.PREFETCH_CHUNKS
+        print(f"profile_decode B={args.batch} N={args.keys} W={pd.WARPS} pf={pf} options={pd.KERNEL_OPTIONS} "
+              f"{'contiguous' if args.contiguous else 'paged'}: {statistics.median(times) * 1e3:.1f} us/call")
+    print("profile_decode: done")
+
+
+def _gpu_us(fn, sets, reps=20):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for r in range(reps):
+        torch.cuda._sleep(4_000_000)
+        start.record()
+        for i in range(8):
+            fn(sets[(r + i) % len(sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 8 * 1e3)
+    return statistics.median(times)
+
+
+def _sweep(pd, c, scale, dev, options_list):
+    """Median GPU us per call of each (options, prefetch) on each shape; 3 interleaved rounds against drift."""
+    shapes = ((8, 32768), (1, 131072), (32, 8192))
+    variants = [(tuple(o.split()), pf) for o in options_list for pf in (0, 1)]
+    results = {(v, sh): [] for v in variants for sh in shapes}
+    for batch, keys in shapes:
+        sets = _paged_sets(batch, keys, BLOCK_SIZE, dev)
+
+        def fn(s, keys=keys):
+            return pd.paged_decode(s[3], s[0], s[1], s[2], c, c, 4, 4, scale, BLOCK_SIZE, keys)
+
+        for _ in range(3):
+            for options, pf in variants:
+                pd.KERNEL_OPTIONS, pd.PREFETCH_CHUNKS = options, pf
+                pd.clear_caches()
+                for i in range(4):
+                    fn(sets[i % len(sets)])
+                results[((options, pf), (batch, keys))].append(_gpu_us(fn, sets))
+        del sets
+        torch.cuda.empty_cache()
+    for v in variants:
+        cells = " ".join(f"B{b}/N{n // 1024}K={statistics.median(results[(v, (b, n))]):.1f}" for b, n in shapes)
+        print(f"sweep options={' '.join(v[0]) or '-'} pf={v[1]}: {cells} us")
+
+
+if __name__ == "__main__":
+    main()
