@@ -18,6 +18,10 @@
 //
 // Shared memory: [stage 0: K | V | meta][stage 1: K | V | meta][raw: K bytes | V bytes | |k| | |v| | bias]
 // [tables][Q]; with Q in registers, Q is staged in stage 1 instead.
+//
+// Also here: fused_tq_attention_cluster_fwd (sm_90 thread-block clusters that decode each key tile once per
+// cluster and share it through distributed shared memory; see its section) and fused_tq_merge_splits (the
+// log-sum-exp merge of the key splits in one launch).
 #include "fa_common.cuh"
 
 namespace fa {
@@ -154,6 +158,69 @@ FA_INLINE void decode_tile(unsigned char* tile, const unsigned char* raw, const 
     }
 }
 
+// Centroid tables: tabs[16..31] K and tabs[32..47] V bf16 bits per entry (any width); tabs[0..7] K and
+// tabs[8..15] V: the byte-split lookup table of the TQ4 path (low bytes of the 16 entries, then high bytes).
+template <int KB, int VB>
+FA_INLINE void init_tables(u32* tabs, const float* k_centroids, const float* v_centroids) {
+    const int tid = threadIdx.x;
+    if (tid < 16) {
+        tabs[16 + tid] = tid < (1 << KB) ? bf16_bits(k_centroids[tid]) : 0u;
+        tabs[32 + tid] = tid < (1 << VB) ? bf16_bits(v_centroids[tid]) : 0u;
+    } else if (tid < 32) {
+        const int j = tid - 16;  // 0-7 K, 8-15 V
+        const float* cent = j < 8 ? k_centroids : v_centroids;
+        if ((j < 8 ? KB : VB) == 4) {
+            const int base = 4 * (j & 3);
+            const int shift = (j & 4) ? 8 : 0;
+            u32 word = 0;
+            for (int i = 0; i < 4; ++i) word |= ((static_cast<u32>(bf16_bits(cent[base + i])) >> shift) & 0xffu) << (8 * i);
+            tabs[j] = word;
+        }
+    }
+}
+
+// Q tile of one row block into swizzled shared memory (bf16, rows past the end zero-filled); not committed.
+template <class C>
+FA_INLINE void load_q_tile(u32 s_q, const u16* q, const RowBlock& rb, int b, int kvh, i64 q_sb, i64 q_sh, i64 q_sl) {
+#pragma unroll
+    for (int i = 0; i < C::BM * C::CHUNKS / C::THREADS; ++i) {
+        const int u = threadIdx.x + i * C::THREADS;
+        const int row = u / C::CHUNKS, c = u % C::CHUNKS;
+        const int r = rb.m0 + row;
+        const u16* src = q + b * q_sb + rb.head(r, kvh) * q_sh + rb.pos(r) * q_sl + c * 8;
+        cp_async_16(s_q + C::swz(row, c), src, r < rb.rows ? 16 : 0);
+    }
+}
+
+// Normalised output rows and their LSE into split `split`'s slice of out [splits, B, Hq, Lq, D], lse [..., Lq].
+template <class C>
+FA_INLINE void store_rows(Acc<C>& acc, float* out, float* lse, const RowBlock& rb, int b, int kvh, int split,
+                          int batch, int q_heads, int q_len) {
+    float inv[C::MT][2], row_lse[C::MT][2];
+    finish_rows(acc, 1.f, inv, row_lse);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tig = lane & 3;
+    const i64 rows_all = static_cast<i64>(batch) * q_heads * q_len;
+    float* out_s = out + split * rows_all * C::D;
+    float* lse_s = lse + split * rows_all;
+#pragma unroll
+    for (int mt = 0; mt < C::MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = rb.m0 + warp * C::MT * 16 + mt * 16 + (lane >> 2) + 8 * h;
+            if (r >= rb.rows) continue;
+            const i64 row = (static_cast<i64>(b) * q_heads + rb.head(r, kvh)) * q_len + rb.pos(r);
+            float* o_row = out_s + row * C::D;
+#pragma unroll
+            for (int nt = 0; nt < C::ONT; ++nt) {
+                *reinterpret_cast<F2*>(o_row + nt * 8 + 2 * tig) =
+                    F2{acc.o[mt][nt][2 * h] * inv[mt][h], acc.o[mt][nt][2 * h + 1] * inv[mt][h]};
+            }
+            if (tig == 0) lse_s[row] = row_lse[mt][h];
+        }
+    }
+}
+
 }  // namespace fa
 
 template <int D, int KB, int VB, int WARPS, int MT, int BN, bool QREG, bool OVERLAP>
@@ -197,22 +264,8 @@ fused_tq_attention_fwd(const fa::u16* __restrict__ q, const unsigned char* __res
     const int kvh = blockIdx.y;
     const RowBlock rb{blk * C::BM, q_len * group, group, kv_len - q_len};
 
-    // Centroid tables: bf16 bits per entry (any width) and the byte-split lookup table of the TQ4 path.
     u32* tabs = reinterpret_cast<u32*>(fa_smem + OFF_TAB);
-    if (tid < 16) {
-        tabs[16 + tid] = tid < (1 << KB) ? bf16_bits(k_centroids[tid]) : 0u;
-        tabs[32 + tid] = tid < (1 << VB) ? bf16_bits(v_centroids[tid]) : 0u;
-    } else if (tid < 32) {
-        const int j = tid - 16;  // 0-7 K, 8-15 V
-        const float* cent = j < 8 ? k_centroids : v_centroids;
-        if ((j < 8 ? KB : VB) == 4) {
-            const int base = 4 * (j & 3);
-            const int shift = (j & 4) ? 8 : 0;
-            u32 word = 0;
-            for (int i = 0; i < 4; ++i) word |= ((static_cast<u32>(bf16_bits(cent[base + i])) >> shift) & 0xffu) << (8 * i);
-            tabs[j] = word;
-        }
-    }
+    init_tables<KB, VB>(tabs, k_centroids, v_centroids);
 
     // Key range of this (block, split).
     const int n_begin = split * split_len;
@@ -228,16 +281,8 @@ fused_tq_attention_fwd(const fa::u16* __restrict__ q, const unsigned char* __res
         for (int h = 0; h < 2; ++h) row_lim[mt][h] = rb.pos(rb.m0 + warp * MT * 16 + mt * 16 + (lane >> 2) + 8 * h) + rb.diag;
     }
 
-    // Q tile (bf16, rows past the end zero-filled).
     const u32 s_q = s_base + OFF_Q;
-#pragma unroll
-    for (int i = 0; i < C::BM * C::CHUNKS / C::THREADS; ++i) {
-        const int u = tid + i * C::THREADS;
-        const int row = u / C::CHUNKS, c = u % C::CHUNKS;
-        const int r = rb.m0 + row;
-        const fa::u16* src = q + b * q_sb + rb.head(r, kvh) * q_sh + rb.pos(r) * q_sl + c * 8;
-        cp_async_16(s_q + C::swz(row, c), src, r < rb.rows ? 16 : 0);
-    }
+    load_q_tile<C>(s_q, q, rb, b, kvh, q_sb, q_sh, q_sl);
     cp_async_commit();
 
     const unsigned char* kp_bh = kp + b * kp_sb + kvh * kp_sh;
@@ -346,26 +391,361 @@ fused_tq_attention_fwd(const fa::u16* __restrict__ q, const unsigned char* __res
         }
     }
 
-    float inv[MT][2], row_lse[MT][2];
-    finish_rows(acc, 1.f, inv, row_lse);
-    const int tig = lane & 3;
-    const i64 rows_all = static_cast<i64>(batch) * q_heads * q_len;
-    float* out_s = out + split * rows_all * D;
-    float* lse_s = lse + split * rows_all;
+    store_rows<C>(acc, out, lse, rb, b, kvh, split, batch, q_heads, q_len);
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// Thread-block clusters (sm_90): the CL CTAs of a cluster serve CL row blocks of the same (KV head, batch,
+// split), so they read the same key tiles. (CL = 1: the same pipeline without sharing; barrier.cluster then acts as
+// a split-phase CTA barrier.) Each decodes 1/CL of every tile (a slice of BN / CL key rows, K and
+// V) and stores the bf16 rows into its own shared memory and, through distributed shared memory, into its peers'
+// (st.shared::cluster at addresses from mapa): the decode work per CTA falls by CL.
+//
+// Ring of three stages, one cluster barrier per tile, its latency hidden behind the tensor-core step: in
+// iteration i a CTA decodes its slice of tile i+1 into stage (i+1) % 3 of every CTA, arrives, runs the tile step
+// on stage i % 3, waits. The wait of iteration i-1 guaranteed that every CTA finished its tile step i-2 (stage
+// (i+1) % 3 is free) and stored its slice of tile i. The CTAs of a cluster run the same tile range (the longest
+// causal range among them); a CTA skips the tile step of tiles past its own range but still decodes its slice.
+// OVERLAP: the arrive sits right behind the S = Q K^T mmas of the tile step (its release then waits for the decoded
+// stores while the tensor cores run) instead of before the tile step.
+// ----------------------------------------------------------------------------------------------------------
+
+namespace fa {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define FQ_CLUSTER_DIMS(n)
+FA_INLINE u32 cluster_rank() { __trap(); return 0; }
+FA_INLINE u32 cluster_map(u32, u32) { __trap(); return 0; }
+FA_INLINE void st_cluster_v4(u32, const U4&) { __trap(); }
+FA_INLINE void st_cluster_f32(u32, float) { __trap(); }
+FA_INLINE void cluster_arrive() { __trap(); }
+FA_INLINE void cluster_wait() { __trap(); }
+#else
+#define FQ_CLUSTER_DIMS(n) __cluster_dims__(n, 1, 1)
+FA_INLINE u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// shared::cluster address of shared::cta address `addr` in the CTA of rank `rank`.
+FA_INLINE u32 cluster_map(u32 addr, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+FA_INLINE void st_cluster_v4(u32 addr, const U4& v) {
+    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w) : "memory");
+}
+FA_INLINE void st_cluster_f32(u32 addr, float v) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+FA_INLINE void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+FA_INLINE void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+#endif
+
+// 16 bytes into the same shared-memory offset of this CTA (`local`) and of the CL - 1 peers (`peer`: their
+// shared::cluster base addresses, in rank order after this CTA's).
+template <int CL>
+FA_INLINE void put_all(unsigned char* local, u32 off, const U4& v, const u32 (&peer)[CL > 1 ? CL - 1 : 1]) {
+    *reinterpret_cast<U4*>(local + off) = v;
+#pragma unroll
+    for (int d = 0; d < CL - 1; ++d) st_cluster_v4(peer[d] + off, v);
+}
+template <int CL>
+FA_INLINE void put_all_f32(unsigned char* local, u32 off, float v, const u32 (&peer)[CL > 1 ? CL - 1 : 1]) {
+    *reinterpret_cast<float*>(local + off) = v;
+#pragma unroll
+    for (int d = 0; d < CL - 1; ++d) st_cluster_f32(peer[d] + off, v);
+}
+
+// Packed item (row `row` of the tile, part `part`) at `src` -> its bf16 chunks of a swizzled tile at `tile_off`.
+template <class C, int B, int CL>
+FA_INLINE void decode_item_all(unsigned char* local, u32 tile_off, const unsigned char* src, int row, int part,
+                               const u32* lut_smem, const u32* tab, const u32 (&peer)[CL > 1 ? CL - 1 : 1]) {
+    using P = Packed<C::D, B>;
+    if constexpr (B == 4) {
+        u32 lut[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) lut[i] = lut_smem[i];
+        const U4 w = *reinterpret_cast<const U4*>(src);
+        const u32 base = tile_off + C::swz(row, part * 4);
+        put_all<CL>(local, base, tq4_decode8(w.x, lut), peer);
+        put_all<CL>(local, base ^ 16, tq4_decode8(w.y, lut), peer);
+        put_all<CL>(local, base ^ 32, tq4_decode8(w.z, lut), peer);
+        put_all<CL>(local, base ^ 48, tq4_decode8(w.w, lut), peer);
+    } else {
+#pragma unroll
+        for (int g = 0; g < P::GROUPS; ++g) {
+            put_all<CL>(local, tile_off + C::swz(row, part * (P::PART / B) + g), generic_decode8<B>(src + g * B, tab),
+                        peer);
+        }
+    }
+}
+
+template <int PART>
+FA_INLINE void fetch_part(u32 dst, const unsigned char* src, int vec) {
+    if constexpr (PART % 16 == 0) {
+        if (vec == 16) return fetch_bytes<PART, 16>(dst, src);
+    }
+    if constexpr (PART % 8 == 0) {
+        if (vec == 8) return fetch_bytes<PART, 8>(dst, src);
+    }
+    fetch_bytes<PART, 4>(dst, src);
+}
+
+}  // namespace fa
+
+template <int D, int KB, int VB, int WARPS, int MT, int BN, bool QREG, bool OVERLAP, int CL>
+__global__ void __launch_bounds__(WARPS * 32) FQ_CLUSTER_DIMS(CL)
+fused_tq_attention_cluster_fwd(const fa::u16* __restrict__ q, const unsigned char* __restrict__ kp,
+                               const float* __restrict__ kn, const unsigned char* __restrict__ vp,
+                               const float* __restrict__ vn, const float* __restrict__ k_centroids,
+                               const float* __restrict__ v_centroids, const float* __restrict__ bias,
+                               float* __restrict__ out, float* __restrict__ lse, int batch, int q_heads, int kv_heads,
+                               int q_len, int kv_len, int split_len, int k_vec, int v_vec,
+                               fa::i64 q_sb, fa::i64 q_sh, fa::i64 q_sl,
+                               fa::i64 kp_sb, fa::i64 kp_sh, fa::i64 kp_sn, fa::i64 kn_sb, fa::i64 kn_sh, fa::i64 kn_sn,
+                               fa::i64 vp_sb, fa::i64 vp_sh, fa::i64 vp_sn, fa::i64 vn_sb, fa::i64 vn_sh, fa::i64 vn_sn,
+                               fa::i64 bias_sb, fa::i64 bias_sn, float scale_log2, int causal) {
+    using namespace fa;
+    using C = Cfg<D, WARPS, MT, BN, QREG>;
+    using PK = Packed<D, KB>;
+    using PV = Packed<D, VB>;
+    static_assert(CL >= 1 && CL <= 8 && BN % CL == 0, "cluster size: 1..8, dividing BN");
+    static_assert(!QREG, "the cluster kernel keeps Q in shared memory");
+    constexpr int SLICE = BN / CL;              // key rows of a tile this CTA decodes
+    constexpr int TK = SLICE * PK::PARTS;       // its K items
+    constexpr int TV = SLICE * PV::PARTS;       // its V items
+    constexpr int PER_THREAD = (TK + TV + C::THREADS - 1) / C::THREADS;
+    constexpr int META = 3 * BN * 4;
+    constexpr int STAGE = 2 * C::TILE_BYTES + META;
+    constexpr int STAGES = 3;
+    constexpr int RAW_V = TK * PK::PART;
+    constexpr int RAW_KN = RAW_V + TV * PV::PART;
+    constexpr int RAW_VN = RAW_KN + 4 * SLICE;
+    constexpr int RAW_BIAS = RAW_VN + 4 * SLICE;
+    constexpr int RAW_BYTES = (RAW_BIAS + 4 * SLICE + 15) / 16 * 16;
+    constexpr int OFF_RAW = STAGES * STAGE;
+    constexpr int OFF_TAB = OFF_RAW + RAW_BYTES;
+    constexpr int OFF_Q = OFF_TAB + 192;
+    constexpr int SMEM = OFF_Q + C::Q_BYTES;
+    static_assert(SLICE <= WARPS * 32, "one thread per key row of the slice handles the norms");
+    extern __shared__ __align__(128) unsigned char fa_smem[];
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (tid == 0 && dynamic_smem_bytes() < SMEM) __trap();  // the wrapper's size formula drifted from this one
+
+    const u32 s_base = smem_addr(fa_smem);
+    const u32 rank = cluster_rank();
+    u32 peer[CL > 1 ? CL - 1 : 1];
+#pragma unroll
+    for (int d = 0; d < CL - 1; ++d) peer[d] = cluster_map(s_base, (rank + 1 + d) % CL);
+    const int slice0 = rank * SLICE;  // first key row of the tile this CTA decodes
+
+    const int splits = gridDim.z / batch;
+    const int b = blockIdx.z / splits, split = blockIdx.z % splits;
+    const int group = q_heads / kv_heads;
+    const int blk = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    // The cluster's last row block (largest m0) has the longest causal key range.
+    const int blk_last = causal ? gridDim.x - 1 - (blockIdx.x / CL) * CL : blockIdx.x;
+    const int kvh = blockIdx.y;
+    const RowBlock rb{blk * C::BM, q_len * group, group, kv_len - q_len};
+    const RowBlock rb_last{blk_last * C::BM, q_len * group, group, kv_len - q_len};
+
+    u32* tabs = reinterpret_cast<u32*>(fa_smem + OFF_TAB);
+    init_tables<KB, VB>(tabs, k_centroids, v_centroids);
+
+    const int n_begin = split * split_len;
+    const int n_limit = imin(kv_len, n_begin + split_len);
+    const int n_stop = causal ? imin(n_limit, rb.lim_hi(C::BM) + 1) : n_limit;
+    const int n_stop_cl = causal ? imin(n_limit, rb_last.lim_hi(C::BM) + 1) : n_limit;
+    const int n_tiles = n_stop > n_begin ? (n_stop - n_begin + BN - 1) / BN : 0;
+    const int n_tiles_cl = n_stop_cl > n_begin ? (n_stop_cl - n_begin + BN - 1) / BN : 0;
+    const int t_begin = n_begin / BN;
+    const int lim_lo = rb.lim_lo();
+    int row_lim[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = rb.m0 + warp * MT * 16 + mt * 16 + (lane >> 2) + 8 * h;
-            if (r >= rb.rows) continue;
-            const i64 row = (static_cast<i64>(b) * q_heads + rb.head(r, kvh)) * q_len + rb.pos(r);
-            float* o_row = out_s + row * D;
+        for (int h = 0; h < 2; ++h) row_lim[mt][h] = rb.pos(rb.m0 + warp * MT * 16 + mt * 16 + (lane >> 2) + 8 * h) + rb.diag;
+    }
+
+    const u32 s_q = s_base + OFF_Q;
+    load_q_tile<C>(s_q, q, rb, b, kvh, q_sb, q_sh, q_sl);
+    cp_async_commit();
+
+    const unsigned char* kp_bh = kp + b * kp_sb + kvh * kp_sh;
+    const unsigned char* vp_bh = vp + b * vp_sb + kvh * vp_sh;
+    const float* kn_bh = kn + b * kn_sb + kvh * kn_sh;
+    const float* vn_bh = vn + b * vn_sb + kvh * vn_sh;
+    const float* bias_b = bias == nullptr ? nullptr : bias + b * bias_sb;
+    const u32 s_raw = s_base + OFF_RAW;
+    const unsigned char* raw = fa_smem + OFF_RAW;
+
+    // Item w of this CTA's slice: K items [0, TK), then V items; thread tid owns w = tid + i * THREADS and both
+    // fetches and decodes it (no barrier on the raw buffer).
+    auto fetch = [&](int t) {
+        const int n0 = t * BN;
 #pragma unroll
-            for (int nt = 0; nt < C::ONT; ++nt) {
-                *reinterpret_cast<F2*>(o_row + nt * 8 + 2 * tig) =
-                    F2{acc.o[mt][nt][2 * h] * inv[mt][h], acc.o[mt][nt][2 * h + 1] * inv[mt][h]};
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int w = tid + i * C::THREADS;
+            if (w < TK) {
+                const int row = slice0 + w / PK::PARTS, part = w % PK::PARTS;
+                if (n0 + row < kv_len) {
+                    fetch_part<PK::PART>(s_raw + w * PK::PART, kp_bh + (n0 + row) * kp_sn + part * PK::PART, k_vec);
+                }
+            } else if (w < TK + TV) {
+                const int wv = w - TK;
+                const int row = slice0 + wv / PV::PARTS, part = wv % PV::PARTS;
+                if (n0 + row < kv_len) {
+                    fetch_part<PV::PART>(s_raw + RAW_V + wv * PV::PART, vp_bh + (n0 + row) * vp_sn + part * PV::PART,
+                                         v_vec);
+                }
             }
-            if (tig == 0) lse_s[row] = row_lse[mt][h];
+        }
+        const int n = n0 + slice0 + tid;
+        if (tid < SLICE && n < kv_len) {
+            cp_async_small<4>(s_raw + RAW_KN + 4 * tid, kn_bh + n * kn_sn);
+            cp_async_small<4>(s_raw + RAW_VN + 4 * tid, vn_bh + n * vn_sn);
+            if (bias_b != nullptr) cp_async_small<4>(s_raw + RAW_BIAS + 4 * tid, bias_b + n * bias_sn);
+        }
+    };
+    // Rows past the end are not fetched: their stale bytes decode to finite values that the meta bias masks.
+    auto decode = [&](int t, int stage) {
+        const u32 st = stage * STAGE;
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int w = tid + i * C::THREADS;
+            if (w < TK) {
+                decode_item_all<C, KB, CL>(fa_smem, st, raw + w * PK::PART, slice0 + w / PK::PARTS, w % PK::PARTS,
+                                           tabs, tabs + 16, peer);
+            } else if (w < TK + TV) {
+                const int wv = w - TK;
+                decode_item_all<C, VB, CL>(fa_smem, st + C::TILE_BYTES, raw + RAW_V + wv * PV::PART,
+                                           slice0 + wv / PV::PARTS, wv % PV::PARTS, tabs + 8, tabs + 32, peer);
+            }
+        }
+        if (tid < SLICE) {
+            const int row = slice0 + tid;
+            const bool ok = t * BN + row < kv_len;
+            const float* r_kn = reinterpret_cast<const float*>(raw + RAW_KN);
+            const float* r_vn = reinterpret_cast<const float*>(raw + RAW_VN);
+            const float* r_bias = reinterpret_cast<const float*>(raw + RAW_BIAS);
+            const u32 meta = st + 2 * C::TILE_BYTES + 4 * row;
+            put_all_f32<CL>(fa_smem, meta, ok ? r_kn[tid] * scale_log2 : 0.f, peer);
+            put_all_f32<CL>(fa_smem, meta + 4 * BN, ok ? (bias_b != nullptr ? r_bias[tid] * kLog2e : 0.f) : neg_inf(),
+                            peer);
+            put_all_f32<CL>(fa_smem, meta + 8 * BN, ok ? r_vn[tid] : 0.f, peer);
+        }
+    };
+
+    if (n_tiles_cl > 0) fetch(t_begin);
+    cp_async_commit();
+    cp_async_wait<0>();
+    // Every CTA of the cluster has started (its shared memory may be written); Q and the tables are visible.
+    cluster_arrive();
+    cluster_wait();
+
+    Lanes<C> ln;
+    ln.init(lane);
+    const u32 q_warp = s_q + warp * MT * 16 * C::ROW_BYTES;
+    u32 qf[MT][C::KSTEPS][4];  // unused (Q stays in shared memory)
+
+    // barrier.cluster.arrive.release waits for this thread's earlier memory operations: the global fetches are
+    // issued after it, so an arrive waits for the decoded stores (local and remote) only.
+    if (n_tiles_cl > 0) decode(t_begin, 0);
+    cluster_arrive();
+    if (n_tiles_cl > 1) fetch(t_begin + 1);
+    cp_async_commit();
+    cluster_wait();
+
+    Acc<C> acc;
+    acc_init(acc);
+    int stage = 0;
+    for (int i = 0; i < n_tiles_cl; ++i) {
+        const int t = t_begin + i;
+        const int next = stage == STAGES - 1 ? 0 : stage + 1;
+        if (i + 1 < n_tiles_cl) {
+            cp_async_wait<0>();
+            decode(t + 1, next);
+        }
+        auto signal = [&] {
+            cluster_arrive();
+            if (i + 2 < n_tiles_cl) fetch(t + 2);
+            cp_async_commit();
+        };
+        if (i < n_tiles) {
+            const u32 st = s_base + stage * STAGE;
+            const float* meta = reinterpret_cast<const float*>(fa_smem + stage * STAGE + 2 * C::TILE_BYTES);
+            const int n0 = t * BN;
+            const bool mask = causal && n0 + BN - 1 > lim_lo;
+            if constexpr (OVERLAP) {  // arrive right behind the S mmas: the stores complete while they run
+                if (mask) {
+                    tile_step<C, bf16, true, true>(acc, qf, q_warp, st, st + C::TILE_BYTES, ln, meta, n0, 0x7fffffff,
+                                                   true, row_lim, 1.f, signal);
+                } else {
+                    tile_step<C, bf16, true, false>(acc, qf, q_warp, st, st + C::TILE_BYTES, ln, meta, n0, 0x7fffffff,
+                                                    false, row_lim, 1.f, signal);
+                }
+            } else {
+                signal();
+                if (mask) {
+                    tile_step<C, bf16, true, true>(acc, qf, q_warp, st, st + C::TILE_BYTES, ln, meta, n0, 0x7fffffff,
+                                                   true, row_lim, 1.f);
+                } else {
+                    tile_step<C, bf16, true, false>(acc, qf, q_warp, st, st + C::TILE_BYTES, ln, meta, n0, 0x7fffffff,
+                                                    false, row_lim, 1.f);
+                }
+            }
+        } else {
+            signal();
+        }
+        cluster_wait();
+        stage = next;
+    }
+    // The last wait also guarantees that no peer still writes into this CTA's shared memory when it exits.
+
+    store_rows<C>(acc, out, lse, rb, b, kvh, split, batch, q_heads, q_len);
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// Log-sum-exp merge of the key splits: parts [S, R, D] (each normalised by its own softmax sum) and part_lse
+// [S, R] -> out [R, D], lse [R]; one warp per row, D / 32 consecutive floats per lane. A split that saw no key
+// has lse -inf and weight 0; a row no split saw ends with out 0 and lse -inf (reference/split_k.merge_partials).
+// One launch instead of a dozen elementwise passes over the partials.
+// ----------------------------------------------------------------------------------------------------------
+template <int D>
+__global__ void __launch_bounds__(256)
+fused_tq_merge_splits(const float* __restrict__ parts, const float* __restrict__ part_lse, float* __restrict__ out,
+                      float* __restrict__ lse, int splits, fa::i64 rows) {
+    using namespace fa;
+    constexpr int V = D / 32;
+    static_assert(V % 2 == 0, "head_dim must be a multiple of 64");
+    const i64 row = static_cast<i64>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int lane = threadIdx.x & 31;
+    float m = neg_inf();
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, part_lse[s * rows + row]);
+    const float m_safe = m == neg_inf() ? 0.f : m;
+    float acc[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[i] = 0.f;
+    float total = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float w = expf(part_lse[s * rows + row] - m_safe);
+        total += w;
+        const float* src = parts + (s * rows + row) * D + lane * V;
+#pragma unroll
+        for (int i = 0; i < V; i += 2) {
+            const F2 x = *reinterpret_cast<const F2*>(src + i);
+            acc[i] = fmaf(w, x.x, acc[i]);
+            acc[i + 1] = fmaf(w, x.y, acc[i + 1]);
         }
     }
+    const float inv = 1.f / fmaxf(total, 1.17549435e-38f);
+    float* dst = out + row * D + lane * V;
+#pragma unroll
+    for (int i = 0; i < V; i += 2) *reinterpret_cast<F2*>(dst + i) = F2{acc[i] * inv, acc[i + 1] * inv};
+    if (lane == 0) lse[row] = total > 0.f ? m_safe + logf(total) : neg_inf();
 }

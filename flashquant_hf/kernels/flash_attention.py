@@ -25,13 +25,17 @@ MAX_GRID_YZ = 65535
 class TileConfig:
     """Template tiling of the FA2 kernels: ``warps`` per CTA, ``m_tiles`` 16-row tiles per warp, ``block_n``
     keys per tile, and whether the Q fragments stay in registers (else re-read from shared memory per tile).
-    ``overlap`` (fused TurboQuant kernel only) interleaves the next tile's decompression with the mmas."""
+    Fused TurboQuant kernel only: ``overlap`` interleaves the next tile's decompression with the mmas;
+    ``cluster`` >= 1 selects the sm_90 kernel whose thread-block clusters of that many row blocks decode each key
+    tile once and share it through distributed shared memory (1: its pipeline without sharing); 0: the
+    classic kernel."""
 
     warps: int
     m_tiles: int
     block_n: int
     q_in_registers: bool
     overlap: bool = False
+    cluster: int = 0
 
     @property
     def threads(self) -> int:
@@ -48,9 +52,11 @@ class TileConfig:
         return f"{self.warps}, {self.m_tiles}, {self.block_n}, {'true' if self.q_in_registers else 'false'}"
 
     def label(self) -> str:
-        """Short name for benchmark records, e.g. ``w4m2n64s`` (s: Q in shared memory, r: in registers)."""
+        """Short name for benchmark records, e.g. ``w4m2n64s`` (s: Q in shared memory, r: in registers; suffix
+        ``o``: overlap, ``c2``: cluster of 2)."""
         q_place = "r" if self.q_in_registers else "s"
-        return f"w{self.warps}m{self.m_tiles}n{self.block_n}{q_place}{'o' if self.overlap else ''}"
+        cluster = f"c{self.cluster}" if self.cluster else ""
+        return f"w{self.warps}m{self.m_tiles}n{self.block_n}{q_place}{'o' if self.overlap else ''}{cluster}"
 
 
 # Measured on the H200 (docs/kernels_prefill.md): at D = 128, causal B=4 H=32 N=4096, 4 warps x 2 row tiles x
@@ -66,7 +72,7 @@ CANDIDATE_CONFIGS: dict[int, tuple[TileConfig, ...]] = {
 
 
 def name_expression(head_dim: int, dtype: torch.dtype, config: TileConfig) -> str:
-    """C++ name of one instantiation of ``flash_attention_fwd`` (``config.overlap`` does not apply here)."""
+    """C++ name of one instantiation of ``flash_attention_fwd`` (``overlap`` and ``cluster`` do not apply here)."""
     return f"flash_attention_fwd<{head_dim}, {DTYPES[dtype]}, {config.template_args()}>"
 
 

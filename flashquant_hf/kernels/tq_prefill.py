@@ -4,18 +4,19 @@ FlashAttention-2 with the K/V tiles decompressed inside the tile loop (``cuda/fu
 bytes and norms go HBM -> shared memory, centroids are looked up into bf16 tiles there, and the tensor cores
 take it from there; no full-precision K/V is written anywhere. Queries are converted to bf16 for the mma.
 When the (row block x KV head x batch) grid cannot fill the GPU, the keys are split across CTAs and the
-partial results merged by log-sum-exp (:func:`flashquant_hf.reference.split_k.merge_partials`: a handful of
-small torch ops on the partials, negligible beside the attention).
+partial results merged by log-sum-exp in one small kernel (:func:`merge_splits`, the math of
+:func:`flashquant_hf.reference.split_k.merge_partials`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import numpy as np
 import torch
 
-from ..reference.split_k import merge_partials
 from . import loader
 from .flash_attention import MAX_GRID_YZ, TileConfig, aligned_rows, as_aligned, check_heads_grid_scale
 
@@ -29,22 +30,27 @@ SMEM_RESERVED_PER_CTA = 1024
 REGS_PER_SM = 64 * 1024
 
 # Measured on the H200 (docs/kernels_prefill.md): at D = 128, a 512-token chunk over a 32K TQ4 prefix, 8 warps x
-# 2 row tiles (256 rows share each decompressed tile) reached 222 TFLOP/s, ahead of w8m1n64r 207, w4m2n32s 202,
-# w4m2n64s 195, w4m1n64r 175. The `overlap` variants (decompression between the mma phases) are not measured yet.
+# 2 row tiles (256 rows share each decompressed tile) in clusters of 2 CTAs that decode half of every key tile each
+# and share it through distributed shared memory (w8m2n64soc2) reached 245 and 252 TFLOP/s in two runs, ahead of
+# the same tiling without clusters (w8m2n64s, 228 and 249; the fallback below sm_90), w4m2n32s (214, 231) and
+# w8m2n64so (214, 231). Clusters of 4 or 8 do not fit the GPU in one wave (half the speed).
 DEFAULT_CONFIGS: dict[int, TileConfig] = {
     64: TileConfig(4, 2, 64, True),
-    128: TileConfig(8, 2, 64, False),
+    128: TileConfig(8, 2, 64, False, overlap=True, cluster=2),
     256: TileConfig(4, 1, 32, False),
 }
+# Below sm_90 (no thread-block clusters): the best measured tiling of the classic kernel.
+FALLBACK_CONFIGS: dict[int, TileConfig] = {128: TileConfig(8, 2, 64, False)}
 CANDIDATE_CONFIGS: dict[int, tuple[TileConfig, ...]] = {
     128: (
         TileConfig(8, 2, 64, False),
-        TileConfig(4, 2, 64, False),
-        TileConfig(8, 1, 64, True),
         TileConfig(8, 2, 64, False, overlap=True),
-        TileConfig(8, 1, 64, True, overlap=True),
+        TileConfig(8, 2, 64, False, cluster=2),
+        TileConfig(8, 2, 64, False, overlap=True, cluster=2),
+        TileConfig(4, 2, 32, False),
     ),
 }
+CLUSTER_MIN_CAPABILITY = (9, 0)
 
 
 def packed_bytes(head_dim: int, bits: int) -> int:
@@ -59,17 +65,59 @@ def part_bytes(head_dim: int, bits: int) -> int:
 
 
 def name_expression(head_dim: int, k_bits: int, v_bits: int, config: TileConfig) -> str:
-    """C++ name of one instantiation of ``fused_tq_attention_fwd``."""
+    """C++ name of one instantiation of ``fused_tq_attention_fwd`` (``fused_tq_attention_cluster_fwd`` when
+    ``config.cluster`` >= 1)."""
     overlap = "true" if config.overlap else "false"
+    if config.cluster:
+        return (f"fused_tq_attention_cluster_fwd<{head_dim}, {k_bits}, {v_bits}, {config.template_args()}, {overlap}, "
+                f"{config.cluster}>")
     return f"fused_tq_attention_fwd<{head_dim}, {k_bits}, {v_bits}, {config.template_args()}, {overlap}>"
+
+
+def fallback_config(head_dim: int) -> TileConfig:
+    """Tiling used for ``head_dim`` on GPUs without thread-block clusters (below sm_90)."""
+    config = DEFAULT_CONFIGS[head_dim]
+    return FALLBACK_CONFIGS.get(head_dim, dataclasses.replace(config, cluster=0))
+
+
+def merge_name_expression(head_dim: int) -> str:
+    """C++ name of the split-merge kernel for ``head_dim``."""
+    return f"fused_tq_merge_splits<{head_dim}>"
 
 
 NAME_EXPRESSIONS: tuple[str, ...] = tuple(
     dict.fromkeys(
-        [name_expression(d, kb, vb, DEFAULT_CONFIGS[d]) for d in HEAD_DIMS for kb in KERNEL_BITS for vb in KERNEL_BITS]
+        [name_expression(d, kb, vb, c) for d in HEAD_DIMS for kb in KERNEL_BITS for vb in KERNEL_BITS
+         for c in (DEFAULT_CONFIGS[d], fallback_config(d))]
         + [name_expression(d, 4, 4, c) for d, configs in CANDIDATE_CONFIGS.items() for c in configs]
+        + [merge_name_expression(d) for d in HEAD_DIMS]
     )
 )
+
+
+@functools.lru_cache(maxsize=64)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def default_config(head_dim: int, device: torch.device) -> TileConfig:
+    """:data:`DEFAULT_CONFIGS` entry for ``head_dim``; :func:`fallback_config` on GPUs older than sm_90."""
+    config = DEFAULT_CONFIGS[head_dim]
+    if config.cluster and _capability(_device_index(device)) < CLUSTER_MIN_CAPABILITY:
+        return fallback_config(head_dim)
+    return config
+
+
+def grid_row_blocks(q_len: int, group: int, config: TileConfig) -> int:
+    """Row blocks launched along grid x: enough for ``q_len * group`` rows, rounded up to whole clusters (the
+    extra blocks own no rows; they only decode their share of the key tiles)."""
+    blocks = -(-q_len * group // config.block_m)
+    per_cluster = max(1, config.cluster)
+    return -(-blocks // per_cluster) * per_cluster
 
 
 def shared_bytes(head_dim: int, k_bits: int, v_bits: int, config: TileConfig) -> int:
@@ -77,8 +125,12 @@ def shared_bytes(head_dim: int, k_bits: int, v_bits: int, config: TileConfig) ->
     bn = config.block_n
     stage = 2 * bn * 2 * head_dim + 3 * bn * 4
     q_tile = config.block_m * 2 * head_dim
-    raw = bn * (packed_bytes(head_dim, k_bits) + packed_bytes(head_dim, v_bits)) + 3 * bn * 4
     tables = 48 * 4
+    if config.cluster:  # three stages; the raw buffer holds this CTA's slice of BN / cluster key rows
+        rows = bn // config.cluster
+        raw = rows * (packed_bytes(head_dim, k_bits) + packed_bytes(head_dim, v_bits)) + 3 * rows * 4
+        return 3 * stage + -(-raw // 16) * 16 + tables + q_tile
+    raw = bn * (packed_bytes(head_dim, k_bits) + packed_bytes(head_dim, v_bits)) + 3 * bn * 4
     if config.q_in_registers:
         return stage + max(stage, q_tile) + raw + tables
     return 2 * stage + raw + tables + q_tile
@@ -154,6 +206,10 @@ def _check_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_ce
     check_heads_grid_scale("q_rot", batch, q_heads, kv_heads, scale)
 
 
+_PLANS: dict[tuple, tuple] = {}  # launch signature -> (kernel, grid, threads, shared bytes, scalar arguments)
+_MAX_PLANS = 512
+
+
 def launch_tq_prefill(
     q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits: int, v_bits: int, scale: float,
     causal: bool, key_bias, out: torch.Tensor, lse: torch.Tensor, config: TileConfig, splits: int,
@@ -169,42 +225,98 @@ def launch_tq_prefill(
         out.zero_()
         lse.fill_(-math.inf)
         return
+    # The scalar arguments depend only on shapes, strides, alignments and settings: cached per signature, since
+    # the host time before the launch is part of every call's latency.
+    key = (q_rot.dtype, q_rot.shape, q_rot.stride(), q_rot.data_ptr() & 15, q_rot.device,
+           k_packed.shape, k_packed.stride(), k_packed.data_ptr() & 15, v_packed.shape, v_packed.stride(),
+           v_packed.data_ptr() & 15, k_norms.stride(), v_norms.stride(), k_centroids.stride(), v_centroids.stride(),
+           None if key_bias is None else key_bias.stride(), k_bits, v_bits, scale, causal, config, splits)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        kernel, grid, threads, smem, scalars = plan
+        bias_ptr = np.uint64(0) if key_bias is None else key_bias
+        args = (q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, bias_ptr, out, lse) + scalars
+        loader.launch(kernel, grid, threads, args, q_rot.device, shared_mem=smem)
+        return
     q = as_aligned(q_rot.to(torch.bfloat16))
-    k_packed, k_vec = _packed_vector(k_packed, head_dim, k_bits)
-    v_packed, v_vec = _packed_vector(v_packed, head_dim, v_bits)
+    kp, k_vec = _packed_vector(k_packed, head_dim, k_bits)
+    vp, v_vec = _packed_vector(v_packed, head_dim, v_bits)
+    kc, vc = k_centroids.contiguous(), v_centroids.contiguous()
     n_tiles = -(-kv_len // config.block_n)
     split_len = -(-n_tiles // splits) * config.block_n
     group = q_heads // kv_heads
     kernel = loader.get_kernel(CUDA_SOURCE, name_expression(head_dim, k_bits, v_bits, config), q.device)
-    i64 = np.int64
-    qs, kps, kns, vps, vns = q.stride(), k_packed.stride(), k_norms.stride(), v_packed.stride(), v_norms.stride()
-    bias_args = (np.uint64(0), i64(0), i64(0)) if key_bias is None else (
-        key_bias, i64(key_bias.stride(0)), i64(key_bias.stride(1)))
-    args = (
-        q, k_packed, k_norms, v_packed, v_norms,
-        k_centroids.contiguous(), v_centroids.contiguous(), bias_args[0], out, lse,
-        batch, q_heads, kv_heads, q_len, kv_len, split_len, k_vec, v_vec,
+    i64, i32 = np.int64, np.int32
+    qs, kps, kns, vps, vns = q.stride(), kp.stride(), k_norms.stride(), vp.stride(), v_norms.stride()
+    bias_strides = (i64(0), i64(0)) if key_bias is None else (i64(key_bias.stride(0)), i64(key_bias.stride(1)))
+    scalars = (
+        i32(batch), i32(q_heads), i32(kv_heads), i32(q_len), i32(kv_len), i32(split_len), i32(k_vec), i32(v_vec),
         i64(qs[0]), i64(qs[1]), i64(qs[2]),
         i64(kps[0]), i64(kps[1]), i64(kps[2]), i64(kns[0]), i64(kns[1]), i64(kns[2]),
         i64(vps[0]), i64(vps[1]), i64(vps[2]), i64(vns[0]), i64(vns[1]), i64(vns[2]),
-        bias_args[1], bias_args[2], float(scale) * math.log2(math.e), bool(causal),
+        *bias_strides, np.float32(float(scale) * math.log2(math.e)), i32(bool(causal)),
     )
-    grid = (-(-q_len * group // config.block_m), kv_heads, batch * splits)
-    loader.launch(kernel, grid, (config.threads,), args, q.device,
-                  shared_mem=shared_bytes(head_dim, k_bits, v_bits, config))
+    grid = (grid_row_blocks(q_len, group, config), kv_heads, batch * splits)
+    threads = (config.threads,)
+    smem = shared_bytes(head_dim, k_bits, v_bits, config)
+    bias_ptr = np.uint64(0) if key_bias is None else key_bias
+    args = (q, kp, k_norms, vp, v_norms, kc, vc, bias_ptr, out, lse) + scalars
+    loader.launch(kernel, grid, threads, args, q.device, shared_mem=smem)
+    # Reusable only when nothing was converted or copied (the cached path passes the caller's tensors as they are).
+    if q is q_rot and kp is k_packed and vp is v_packed and kc is k_centroids and vc is v_centroids:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = (kernel, grid, threads, smem, scalars)
 
 
 def choose_splits(q_rot: torch.Tensor, kv_heads: int, kv_len: int, k_bits: int, v_bits: int, config: TileConfig) -> int:
     """Key splits for this launch: enough CTAs for one full wave on this GPU, never below 4 tiles per split."""
     batch, q_heads, q_len, head_dim = q_rot.shape
-    ctas = -(-q_len * (q_heads // kv_heads) // config.block_m) * kv_heads * batch
+    return _splits(_device_index(q_rot.device), batch, q_heads, q_len, head_dim, kv_heads, kv_len, k_bits, v_bits, config)
+
+
+@functools.lru_cache(maxsize=4096)
+def _splits(index: int, batch: int, q_heads: int, q_len: int, head_dim: int, kv_heads: int, kv_len: int, k_bits: int,
+            v_bits: int, config: TileConfig) -> int:
+    # Cached: a launch is timed from the caller's side, so the Python before it counts as latency.
+    ctas = grid_row_blocks(q_len, q_heads // kv_heads, config) * kv_heads * batch
     if ctas == 0 or kv_len == 0:
         return 1
-    kernel = loader.get_kernel(CUDA_SOURCE, name_expression(head_dim, k_bits, v_bits, config), q_rot.device)
+    device = torch.device("cuda", index)
+    kernel = loader.get_kernel(CUDA_SOURCE, name_expression(head_dim, k_bits, v_bits, config), device)
     per_sm = ctas_per_sm(kernel, config.threads, shared_bytes(head_dim, k_bits, v_bits, config))
-    sms = torch.cuda.get_device_properties(q_rot.device).multi_processor_count
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = plan_splits(ctas, -(-kv_len // config.block_n), sms * per_sm)
     return max(1, min(splits, MAX_GRID_YZ // max(1, batch)))
+
+
+def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor | None = None,
+                 lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp merge of the partial results of :func:`launch_tq_prefill` in one kernel (the same math as
+    :func:`flashquant_hf.reference.split_k.merge_partials`).
+
+    Parameters
+    ----------
+    out_parts : fp32 contiguous shape [S, B, Hq, Lq, D], D in {64, 128, 256}, each split normalised on its own
+    lse_parts : fp32 contiguous shape [S, B, Hq, Lq], natural log (-inf for a split that saw no key)
+    out, lse : optional preallocated contiguous fp32 outputs of the shapes below (tests poison them)
+
+    Returns
+    -------
+    out : fp32 shape [B, Hq, Lq, D] (0 where no split saw a key); lse : fp32 shape [B, Hq, Lq] (-inf there)
+    """
+    splits, batch, q_heads, q_len, head_dim = out_parts.shape
+    dev = out_parts.device
+    if out is None:
+        out = torch.empty(batch, q_heads, q_len, head_dim, dtype=torch.float32, device=dev)
+    if lse is None:
+        lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=dev)
+    rows = batch * q_heads * q_len
+    if rows == 0:
+        return out, lse
+    kernel = loader.get_kernel(CUDA_SOURCE, merge_name_expression(head_dim), dev)
+    loader.launch(kernel, (-(-rows // 8),), (256,), (out_parts, lse_parts, out, lse, splits, np.int64(rows)), dev)
+    return out, lse
 
 
 def tq_prefill_with(
@@ -222,18 +334,21 @@ def _run(config, q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_cen
          key_bias, splits) -> tuple[torch.Tensor, torch.Tensor]:
     batch, q_heads, q_len, head_dim = q_rot.shape
     kv_heads, kv_len = k_packed.shape[1], k_packed.shape[2]
+    dev = q_rot.device
+    if config.cluster and _capability(_device_index(dev)) < CLUSTER_MIN_CAPABILITY:
+        raise ValueError(f"`config` {config.label()} uses a thread-block cluster, which needs sm_90 or newer; "
+                         f"got a GPU of capability {_capability(_device_index(dev))}")
     if splits is None:
         splits = choose_splits(q_rot, kv_heads, kv_len, k_bits, v_bits, config)
     if not (isinstance(splits, int) and 1 <= splits <= MAX_GRID_YZ // max(1, batch)):
         raise ValueError(f"`splits` must be an int in [1, {MAX_GRID_YZ // max(1, batch)}], got {splits!r}")
-    dev = q_rot.device
     out = torch.empty(splits, batch, q_heads, q_len, head_dim, dtype=torch.float32, device=dev)
     lse = torch.empty(splits, batch, q_heads, q_len, dtype=torch.float32, device=dev)
     launch_tq_prefill(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits,
                       float(scale), bool(causal), key_bias, out, lse, config, splits)
     if splits == 1:
         return out[0], lse[0]
-    return merge_partials(out, lse)
+    return merge_splits(out, lse)
 
 
 def tq_prefill(
@@ -272,6 +387,6 @@ def tq_prefill(
     """
     _check_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
                   key_bias)
-    config = DEFAULT_CONFIGS[q_rot.shape[-1]]
+    config = default_config(q_rot.shape[-1], q_rot.device)
     return _run(config, q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
                 causal, key_bias, None)

@@ -47,11 +47,18 @@ def make_inputs(batch, q_heads, kv_heads, q_len, kv_len, head_dim, k_bits, v_bit
                 k_bits=k_bits, v_bits=v_bits, scale=head_dim ** -0.5, key_bias=key_bias)
 
 
+CLUSTER_CONFIGS = [c for c in tqp.CANDIDATE_CONFIGS[128] if 1 <= c.cluster <= 4]
+CLUSTER_BITS = [(4, 4), (3, 3), (2, 3), (4, 2)]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _compiled():
     """Compile every instantiation this module launches up front, in parallel (NVRTC releases the GIL)."""
     names = {tqp.name_expression(d, kb, vb, tqp.DEFAULT_CONFIGS[d]) for d, pairs in BITS.items() for kb, vb in pairs}
     names |= {tqp.name_expression(128, 4, 4, c) for c in tqp.CANDIDATE_CONFIGS[128]}
+    names |= {tqp.name_expression(128, kb, vb, c) for c in CLUSTER_CONFIGS for kb, vb in CLUSTER_BITS + BITS[128]}
+    names |= {tqp.name_expression(128, kb, vb, tqp.fallback_config(128)) for kb, vb in BITS[128]}
+    names |= {tqp.merge_name_expression(d) for d in tqp.HEAD_DIMS}
     device = torch.device("cuda", torch.cuda.current_device())
     try:
         with ThreadPoolExecutor(max_workers=16) as pool:
@@ -124,11 +131,70 @@ def test_matches_float64(head_dim, k_bits, v_bits, case):
     assert_matches(out, lse, inp, causal, f"D={head_dim} k{k_bits}v{v_bits} {case}")
 
 
+FULL_MATRIX_CONFIGS = [tqp.fallback_config(128)] + [c for c in CLUSTER_CONFIGS if c != tqp.DEFAULT_CONFIGS[128]]
+
+
+@pytest.mark.parametrize("config", FULL_MATRIX_CONFIGS, ids=lambda c: c.label())
+@pytest.mark.parametrize("k_bits, v_bits", BITS[128], ids=lambda b: str(b))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_H{}x{}_L{}_N{}_{}_{}".format(*c[:5], "causal" if c[5] else "full", c[6]))
+def test_other_d128_configs_full_matrix(config, k_bits, v_bits, case):
+    """The default test matrix at D = 128 on the fallback below sm_90 and the other cluster variant too."""
+    batch, q_heads, kv_heads, q_len, kv_len, causal, bias = case
+    inp = make_inputs(batch, q_heads, kv_heads, q_len, kv_len, 128, k_bits, v_bits,
+                      seed=sum(map(ord, repr(case))) + k_bits, bias=bias)
+    out, lse = run_poisoned(config, 1, causal, inp)
+    assert_matches(out, lse, inp, causal, f"{config.label()} k{k_bits}v{v_bits} {case}")
+
+
 @pytest.mark.parametrize("splits", [2, 3, 7])
 def test_split_keys_merge(splits):
     inp = make_inputs(2, 8, 2, 45, 900, 128, 4, 4, seed=splits, bias="pad")
     out, lse = run_poisoned(tqp.DEFAULT_CONFIGS[128], splits, True, inp)
     assert_matches(out, lse, inp, True, f"splits={splits}")
+
+
+@pytest.mark.parametrize("head_dim", tqp.HEAD_DIMS)
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_merge_kernel_matches_reference(head_dim, splits):
+    """The one-kernel split merge against the torch reference: empty splits (-inf), a row no split saw."""
+    from flashquant_hf.reference.split_k import merge_partials
+
+    gen = torch.Generator(device=DEV).manual_seed(head_dim + splits)
+    shape = (splits, 2, 3, 37)
+    parts = torch.randn(*shape, head_dim, generator=gen, device=DEV)
+    lses = 5 * torch.randn(*shape, generator=gen, device=DEV)
+    empty = torch.rand(*shape, generator=gen, device=DEV) < 0.3
+    lses[empty] = -math.inf
+    parts[empty] = 0.0  # what the kernel writes for a split that saw no key
+    lses[:, 1, 2, 5] = -math.inf
+    parts[:, 1, 2, 5] = 0.0
+    out = torch.full(shape[1:] + (head_dim,), float("nan"), device=DEV)
+    lse = torch.full(shape[1:], float("nan"), device=DEV)
+    tqp.merge_splits(parts, lses, out, lse)
+    ref_out, ref_lse = merge_partials(parts, lses)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    assert lse[1, 2, 5] == -math.inf and torch.all(out[1, 2, 5] == 0)
+
+
+def test_repeated_signature_reuses_the_launch_plan():
+    """A second call with the same shapes, strides and settings takes the cached launch path: fresh data, poisoned
+    outputs, still the right answer."""
+    config = tqp.DEFAULT_CONFIGS[128]
+    for seed in (31, 32):
+        inp = make_inputs(1, 8, 2, 70, 500, 128, 4, 4, seed=seed, bias="pad")
+        out, lse = run_poisoned(config, 2, True, inp)
+        assert_matches(out, lse, inp, True, f"plan reuse seed {seed}")
+    out, lse = tqp.tq_prefill(**inp, causal=True)
+    out2, lse2 = tqp.tq_prefill(**inp, causal=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def test_public_path_with_forced_splits():
+    """tq_prefill_with(splits=...) merges through the kernel."""
+    inp = make_inputs(2, 8, 2, 45, 900, 128, 4, 4, seed=12, bias="pad")
+    out, lse = tqp.tq_prefill_with(tqp.DEFAULT_CONFIGS[128], **inp, causal=True, splits=3)
+    assert_matches(out, lse, inp, True, "public splits=3")
 
 
 @pytest.mark.parametrize("config", tqp.CANDIDATE_CONFIGS[128], ids=lambda c: c.label())
@@ -138,6 +204,31 @@ def test_every_candidate_tiling(config, case):
     inp = make_inputs(batch, q_heads, kv_heads, q_len, kv_len, 128, 4, 4, seed=21)
     out, lse = run_poisoned(config, 2, causal, inp)
     assert_matches(out, lse, inp, causal, f"{config.label()} {case}")
+
+
+CLUSTER_CASES = [
+    # (B, Hq, H_kv, Lq, N, causal, bias, splits)
+    (2, 8, 2, 37, 300, True, "none", 1),      # one row block: the rest of the cluster owns no rows
+    (1, 4, 4, 130, 97, True, "pad", 1),       # Lq > N: first rows see nothing
+    (2, 8, 1, 16, 1000, True, "alibi", 3),    # GQA 8, a fully padded sequence, key splits
+    (1, 8, 2, 600, 2000, True, "none", 2),    # 10 row blocks: causal ranges differ inside a cluster
+    (1, 2, 1, 64, 64, False, "none", 1),
+]
+
+
+@pytest.mark.parametrize("config", CLUSTER_CONFIGS, ids=lambda c: c.label())
+@pytest.mark.parametrize(
+    "bits, case",
+    [((4, 4), c) for c in CLUSTER_CASES] + [(b, c) for b in CLUSTER_BITS[1:] for c in CLUSTER_CASES[2:4]],
+    ids=lambda x: "k{}v{}".format(*x) if len(x) == 2 else "B{}_H{}x{}_L{}_N{}_{}_{}_s{}".format(
+        *x[:5], "causal" if x[5] else "full", *x[6:]),
+)
+def test_cluster_kernel(config, bits, case):
+    """Thread-block clusters: each CTA decodes a slice of every key tile for the whole cluster (DSMEM)."""
+    batch, q_heads, kv_heads, q_len, kv_len, causal, bias, splits = case
+    inp = make_inputs(batch, q_heads, kv_heads, q_len, kv_len, 128, *bits, seed=kv_len + q_len + bits[0], bias=bias)
+    out, lse = run_poisoned(config, splits, causal, inp)
+    assert_matches(out, lse, inp, causal, f"{config.label()} k{bits[0]}v{bits[1]} {case}")
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16, torch.float32])
