@@ -34,8 +34,10 @@ def _commit() -> str:
         return "unknown"
 
 
-def run_tests(out_dir: Path | None) -> tuple[int, str]:
+def run_tests(out_dir: Path | None, workers: int = 0) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "tests/gpu"]
+    if workers > 1:  # pytest-xdist: NVRTC compilation and the tests spread over CPU cores, one GPU shared
+        cmd += ["-n", str(workers)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     if out_dir:
@@ -45,7 +47,7 @@ def run_tests(out_dir: Path | None) -> tuple[int, str]:
     return proc.returncode, summary
 
 
-def run_benchmarks(only: list[str] | None) -> list[dict]:
+def run_benchmarks(only: list[str] | None, save=None) -> list[dict]:
     sys.path.insert(0, str(ROOT))
     commit, date = _commit(), datetime.date.today().isoformat()
     results: list[dict] = []
@@ -65,6 +67,8 @@ def run_benchmarks(only: list[str] | None) -> list[dict]:
         except Exception:
             traceback.print_exc()
             record(f"{name}_failed", 1, "error")
+        if save is not None:  # after every module, so a run cut short by a time limit keeps what it measured
+            save(results)
     return results
 
 
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="run only benchmarks whose module name contains one of these")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers for the GPU tests")
     args = parser.parse_args(argv)
     out_dir = Path(args.out) if args.out else None
     if out_dir:
@@ -90,14 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    test_rc, summary = (0, "not run") if args.skip_tests else run_tests(out_dir)
-    results = run_benchmarks(args.only)
-    text = json.dumps(results, indent=1)
-    (HERE / "results.json").write_text(text)
-    markdown = render_markdown(results, torch.cuda.get_device_name(), summary)
-    if out_dir:
-        (out_dir / "results.json").write_text(text)
-        (out_dir / "RESULTS_section.md").write_text(markdown)
+    test_rc, summary = (0, "not run") if args.skip_tests else run_tests(out_dir, args.workers)
+
+    def save(results: list[dict]) -> None:
+        text = json.dumps(results, indent=1)
+        (HERE / "results.json").write_text(text)
+        if out_dir:
+            (out_dir / "results.json").write_text(text)
+            (out_dir / "RESULTS_section.md").write_text(render_markdown(results, torch.cuda.get_device_name(), summary))
+
+    results = run_benchmarks(args.only, save)
+    save(results)
     print(f"\n{'name':<44} {'value':>12} unit       target")
     for r in results:
         print(f"{r['name']:<44} {r['value']:>12.4g} {r['unit']:<10} {r['target'] or ''}")
