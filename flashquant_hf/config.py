@@ -1,8 +1,9 @@
 """TurboQuantConfig: every knob of the compressed KV cache, from arguments or ``FLASHQUANT_*`` variables.
 
 Resolution order for each field: an explicit argument, else its environment variable, else the default.
-The defaults are the best settings measured so far (SmolLM2-135M, decode-faithful perplexity: TQ4 with a
-128-token exact window and norm correction cost +0.5%, plain TQ4 with no window +7.5%).
+The defaults are the best settings measured so far (SmolLM2-135M, decode-faithful perplexity, prefix 1024,
+1024 scored tokens, 3 rotation seeds; docs/quality.md): TQ4 with a 128-token exact window and norm correction
++1.47%; adding 4 exact sink tokens and key centring +0.53%.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .codebook import SUPPORTED_BITS
 from .rotation import ROTATIONS
 
 ENV_PREFIX = "FLASHQUANT_"
+HALF_BITS = (1.5, 2.5, 3.5)  # mixed classes: keys round up, values round down
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -24,6 +26,11 @@ _FALSE = ("0", "false", "no", "off")
 
 def _parse_int(text: str) -> int:
     return int(text.strip())
+
+
+def _parse_bits(text: str) -> int | float:
+    value = float(text.strip())
+    return int(value) if value.is_integer() else value
 
 
 def _parse_bool(text: str) -> bool:
@@ -48,13 +55,14 @@ class TurboQuantConfig:
 
     Parameters
     ----------
-    bits : bits per coordinate for keys and values (1..4; default 4)
-    key_bits, value_bits : per-tensor overrides of ``bits`` (default: ``bits``)
-    residual_length : the newest tokens kept exact in the model dtype (default 128); 0 compresses every token
-        before it is attended
-    sink_tokens : the first tokens of the sequence kept exact forever (default 0)
+    bits : bits per coordinate for keys and values (1..4; default 4), or a half-bit class 1.5 / 2.5 / 3.5, which
+        gives keys one bit more than values (2.5 -> keys 3, values 2: keys are the more sensitive tensor)
+    key_bits, value_bits : per-tensor overrides of ``bits`` (default: derived from ``bits``)
+    residual_length : the newest tokens kept exact in the model dtype (default 128); 0 (with ``sink_tokens=0``)
+        compresses every token before it is attended
+    sink_tokens : the first tokens of the sequence kept exact forever (default 4)
     key_centering, value_centering : subtract a per-sequence, per-head, per-channel mean (computed on the first
-        prefill) before compressing; exact for attention (default False)
+        prefill) before compressing; exact for attention (defaults True for keys, False for values)
     norm_correction : store ``||x|| / ||centroids[idx]||`` so reconstructions keep the exact norm (default True)
     rotation : ``"haar"`` (dense random orthogonal) or ``"hadamard"`` (randomized Hadamard; power-of-two head_dim)
     seed : rotation seed; keys use ``2 * seed``, values ``2 * seed + 1`` (default 0)
@@ -64,9 +72,11 @@ class TurboQuantConfig:
     3
     >>> TurboQuantConfig(key_bits=4, value_bits=2).bits
     4
+    >>> TurboQuantConfig(bits=2.5).key_bits, TurboQuantConfig(bits=2.5).value_bits
+    (3, 2)
     """
 
-    bits: int | None = None
+    bits: int | float | None = None
     key_bits: int | None = None
     value_bits: int | None = None
     residual_length: int | None = None
@@ -82,8 +92,14 @@ class TurboQuantConfig:
         names = [f.name for f in dataclasses.fields(self)]
         from_env = {name for name in names if getattr(self, name) is None and os.environ.get(env_var(name), "").strip()}
         resolved = {name: _resolve(name, getattr(self, name)) for name in names}
-        resolved["key_bits"] = resolved["key_bits"] if resolved["key_bits"] is not None else resolved["bits"]
-        resolved["value_bits"] = resolved["value_bits"] if resolved["value_bits"] is not None else resolved["bits"]
+        bits = resolved["bits"]
+        if bits in HALF_BITS:
+            derived = (int(bits + 0.5), int(bits - 0.5))
+        else:
+            derived = (bits, bits)
+        for name, value in zip(("key_bits", "value_bits"), derived):
+            if resolved[name] is None:
+                resolved[name] = value
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
         problem = self._first_problem()
@@ -94,7 +110,9 @@ class TurboQuantConfig:
 
     def _first_problem(self) -> tuple[str, str] | None:
         """(field, what it must be) of the first invalid field, or None."""
-        for name in ("bits", "key_bits", "value_bits"):
+        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS + HALF_BITS:
+            return "bits", f"one of {SUPPORTED_BITS + HALF_BITS}"
+        for name in ("key_bits", "value_bits"):
             value = getattr(self, name)
             if isinstance(value, bool) or value not in SUPPORTED_BITS:
                 return name, f"one of {SUPPORTED_BITS}"
@@ -136,12 +154,12 @@ class TurboQuantConfig:
 
 # name -> (parser, default). `None` defaults are derived in __post_init__.
 _FIELDS: dict[str, tuple[Callable[[str], Any], Any]] = {
-    "bits": (_parse_int, 4),
+    "bits": (_parse_bits, 4),
     "key_bits": (_parse_int, None),
     "value_bits": (_parse_int, None),
     "residual_length": (_parse_int, 128),
-    "sink_tokens": (_parse_int, 0),
-    "key_centering": (_parse_bool, False),
+    "sink_tokens": (_parse_int, 4),
+    "key_centering": (_parse_bool, True),
     "value_centering": (_parse_bool, False),
     "norm_correction": (_parse_bool, True),
     "rotation": (_parse_str, "haar"),

@@ -29,6 +29,8 @@ def _kv(length: int, batch: int = B, heads: int = H, dim: int = D, dtype=torch.f
 
 
 def _layer(**overrides) -> TurboQuantLayer:
+    # Storage tests reason about token counts and bit-exact codes: no default sinks / centring unless asked for.
+    overrides = {"sink_tokens": 0, "key_centering": False, **overrides}
     return TurboQuantLayer(TurboQuantConfig(backend="torch", **overrides), layer_idx=0)
 
 
@@ -131,6 +133,22 @@ def test_nbytes_counts_every_tensor():
     assert layer.nbytes == expected
     per_token_compressed = H * B * 2 * (D * 4 // 8 + 4)
     assert layer.store.nbytes == layer.store.capacity * per_token_compressed
+
+
+@pytest.mark.parametrize(
+    "bits, head_dim, minimum",
+    [(4, 128, 3.4), (4, 64, 3.2), (3, 128, 4.4), (2.5, 128, 5.5)],
+)
+def test_cache_wide_compression_at_32k_tokens(bits, head_dim, minimum):
+    """The presets' promised ratios (quality issue): every allocated byte against bf16 K/V of the same tokens."""
+    layer = TurboQuantLayer(TurboQuantConfig(bits=bits), layer_idx=0)
+    tokens = 32 * 1024
+    keys = torch.randn(1, 1, tokens, head_dim, dtype=torch.bfloat16)
+    values = torch.randn(1, 1, tokens, head_dim, dtype=torch.bfloat16)
+    layer.update(keys, values)
+    layer.update(keys[:, :, :1], values[:, :, :1])  # one decode step: the window is full from here on
+    bf16_bytes = 2 * (tokens + 1) * head_dim * 2
+    assert layer.nbytes * minimum <= bf16_bytes, f"{bf16_bytes / layer.nbytes:.3f}x < {minimum}x"
 
 
 def test_dequantize_reconstructs_the_sequence():

@@ -60,7 +60,7 @@ def test_ppl_end_to_end_matches_plain_loop(smollm2, tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     rc = main([
         "ppl", "--prefix", str(PREFIX), "--tokens", str(TOKENS), "--config", "tq4", "--config",
-        "bits=3,residual_length=0,name=tq3-r0", "--no-progress", "--json", str(out_json), "--plot", str(out_png),
+        "tq3-r0", "--no-progress", "--json", str(out_json), "--plot", str(out_png),
     ])
     stdout = capsys.readouterr().out
     assert rc == 0

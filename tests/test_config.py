@@ -25,7 +25,7 @@ def test_defaults_are_the_measured_best():
     assert (cfg.bits, cfg.key_bits, cfg.value_bits) == (4, 4, 4)
     assert cfg.residual_length == 128
     assert cfg.norm_correction is True
-    assert (cfg.sink_tokens, cfg.key_centering, cfg.value_centering) == (0, False, False)
+    assert (cfg.sink_tokens, cfg.key_centering, cfg.value_centering) == (4, True, False)
     assert (cfg.rotation, cfg.seed, cfg.backend) == ("haar", 0, "auto")
     assert (cfg.key_seed, cfg.value_seed) == (0, 1)
 
@@ -34,6 +34,7 @@ def test_defaults_are_the_measured_best():
     "name, text, expected",
     [
         ("bits", "3", 3),
+        ("bits", "2.5", 2.5),
         ("key_bits", "2", 2),
         ("value_bits", "1", 1),
         ("residual_length", "0", 0),
@@ -66,10 +67,20 @@ def test_key_and_value_bits_follow_bits_unless_set():
     assert cfg.replace(residual_length=0).value_bits == 4
 
 
+@pytest.mark.parametrize("bits, key_bits, value_bits", [(1.5, 2, 1), (2.5, 3, 2), (3.5, 4, 3)])
+def test_half_bit_classes_give_keys_one_bit_more(bits, key_bits, value_bits):
+    cfg = TurboQuantConfig(bits=bits)
+    assert (cfg.bits, cfg.key_bits, cfg.value_bits) == (bits, key_bits, value_bits)
+    assert TurboQuantConfig(bits=bits, value_bits=key_bits).value_bits == key_bits
+    assert cfg.replace(bits=4).key_bits == cfg.replace(bits=4).value_bits == 4
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
         ({"bits": 5}, "bits"),
+        ({"bits": 2.7}, "bits"),
+        ({"bits": 4.5}, "bits"),
         ({"key_bits": 0}, "key_bits"),
         ({"value_bits": True}, "value_bits"),
         ({"residual_length": -1}, "residual_length"),

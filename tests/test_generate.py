@@ -8,7 +8,7 @@ import torch
 from hf_helpers import PAD, cache_kwargs, one_thread, prompt_ids, tiny_model
 from transformers import DynamicCache
 
-from flashquant_hf import TurboQuantCache, hf_attention
+from flashquant_hf import TurboQuantCache, TurboQuantConfig, hf_attention
 
 NEW = 10
 LONG_WINDOW = 1024  # longer than prompt + generated tokens: nothing is ever compressed
@@ -97,7 +97,8 @@ def test_generate_runs_with_compression_active(mode, residual):
     rows = 2 * MODES[mode].get("num_return_sequences", 1)
     assert got.shape == (rows, 8 + NEW)
     layer = cache.layers[0]
-    assert layer.num_compressed == 8 + NEW - 1 - residual and layer.batch_size == rows * MODES[mode].get("num_beams", 1)
+    assert layer.num_sink == TurboQuantConfig().sink_tokens  # the default keeps the first tokens exact
+    assert layer.num_compressed == 8 + NEW - 1 - residual - layer.num_sink and layer.batch_size == rows * MODES[mode].get("num_beams", 1)
 
 
 def test_assisted_generation_with_compression_active_crops_the_store():
@@ -111,13 +112,18 @@ def test_assisted_generation_with_compression_active_crops_the_store():
 
 
 def test_left_padded_rows_match_their_unpadded_runs_with_compression_active():
-    """Padding reaches the compressed part as a key bias: each row decodes as if it were alone."""
+    """Padding reaches the compressed part as a key bias: each row decodes as if it were alone.
+
+    No sink tokens here: sinks are the first positions of the batch, which are padding in a left-padded row, so
+    such a row's own first tokens are compressed and it would not decode exactly as it does alone.
+    """
     model = tiny_model("llama")
     ids, mask = _padded_batch()
-    batched = _generate(model, TurboQuantCache(residual_length=0), ids, attention_mask=mask, do_sample=False)
+    every_token = dict(residual_length=0, sink_tokens=0)
+    batched = _generate(model, TurboQuantCache(**every_token), ids, attention_mask=mask, do_sample=False)
     for row in range(3):
         start = int((mask[row] == 0).sum())
-        alone = _generate(model, TurboQuantCache(residual_length=0), ids[row : row + 1, start:], do_sample=False)
+        alone = _generate(model, TurboQuantCache(**every_token), ids[row : row + 1, start:], do_sample=False)
         agree = (batched[row, -NEW:] == alone[0, -NEW:]).float().mean().item()
         assert agree >= 0.8, (row, batched[row], alone[0])
 

@@ -20,9 +20,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tq4": {"bits": 4},
     "tq3": {"bits": 3},
     "tq2": {"bits": 2},
-    "tq4-r0": {"bits": 4, "residual_length": 0},
-    "tq3-r0": {"bits": 3, "residual_length": 0},
-    "tq2-r0": {"bits": 2, "residual_length": 0},
+    "tq3.5": {"bits": 3.5},
+    "tq2.5": {"bits": 2.5},
+    # "-r0": every token compressed (no exact window, no exact sinks)
+    "tq4-r0": {"bits": 4, "residual_length": 0, "sink_tokens": 0},
+    "tq3-r0": {"bits": 3, "residual_length": 0, "sink_tokens": 0},
+    "tq2-r0": {"bits": 2, "residual_length": 0, "sink_tokens": 0},
     "k4v3": {"key_bits": 4, "value_bits": 3},
     "k4v2": {"key_bits": 4, "value_bits": 2},
 }

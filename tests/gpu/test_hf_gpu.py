@@ -60,3 +60,25 @@ def test_compressed_generate_runs_on_kernels(monkeypatch):
     out = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 80)
     assert cache.get_seq_length() == 79
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("bits", [4, 3, 2.5])
+def test_presets_with_sinks_and_centring_run_on_kernels(monkeypatch, caplog, head_dim, bits):
+    """The quality defaults (sinks, key centring) and the 3 / 2.5-bit presets: no fallback, same as reference."""
+    from flashquant_hf import hf_attention
+
+    monkeypatch.setattr(hf_attention, "_warned", set())
+    model = _tiny_llama(head_dim)
+    ids = torch.randint(0, 512, (2, 260), device="cuda")
+    settings = dict(bits=bits, residual_length=16, sink_tokens=4, key_centering=True)
+    monkeypatch.setenv("FLASHQUANT_BACKEND", "cuda")
+    with caplog.at_level("WARNING", logger="flashquant_hf"):
+        fast = _teacher_forced_logits(model, ids, 200, TurboQuantCache(**settings))
+    assert not [r for r in caplog.records if "flashquant" in r.getMessage()], caplog.text
+    monkeypatch.setenv("FLASHQUANT_BACKEND", "torch")
+    ref = _teacher_forced_logits(model, ids, 200, TurboQuantCache(**settings))
+    assert not fast.isnan().any()
+    rel = ((fast - ref).norm() / ref.norm()).item()
+    print(f"bits={bits} head_dim={head_dim} rel={rel:.2e}")
+    assert rel < 2e-2
