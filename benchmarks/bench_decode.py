@@ -69,6 +69,14 @@ def _contiguous_set(batch, keys, dev, seed):
     return idx(), norms(), idx(), norms()
 
 
+
+def _contiguous_query_sets(batch: int, keys: int, dev) -> list[tuple]:
+    """Contiguous TQ4 caches + one bf16 query token each, enough copies to rotate beyond L2."""
+    tq_bytes = batch * KV_HEADS * keys * (HEAD_DIM + 8)
+    return [(*_contiguous_set(batch, keys, dev, seed),
+             torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16))
+            for seed in range(copies_to_exceed_l2(tq_bytes))]
+
 def _pipelined(fn_of_set, sets):
     """Closures that each run CALLS calls, cycling through the input sets."""
     def make(start):
@@ -163,6 +171,44 @@ def _plan(pd, index, batch, keys, log2_bs):
     return pd._launch_for(mode, HEAD_DIM, 1, index, (batch, KV_HEADS, 1), batch * Q_HEADS, keys, log2_bs).plan
 
 
+def _sweep_fused_merge(pd, record, paged_fn, c, scale, dev) -> None:
+    """Split merge inside the decode kernel (``FUSED_MERGE``) vs the merge kernel, GPU time on the three paged
+    configurations and the contiguous B=8/N=32K (both recorded; the library default is restored)."""
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    default = pd.FUSED_MERGE
+    times = {False: {}, True: {}}
+    for batch, keys, tag, _ in CONFIGS:
+        sets = _paged_sets(batch, keys, BLOCK_SIZE, dev)
+        for fused in (False, True, False, True):  # interleaved twice: drift hits both alike
+            pd.FUSED_MERGE = fused
+            pd.clear_caches()
+            ms = _gpu_ms(paged_fn(keys), sets, reps=15)
+            times[fused][tag] = min(ms, times[fused].get(tag, math.inf))
+        del sets
+        torch.cuda.empty_cache()
+    batch, keys = 8, 32768
+    sets = _contiguous_query_sets(batch, keys, dev)
+    for fused in (False, True, False, True):
+        pd.FUSED_MERGE = fused
+        pd.clear_caches()
+        ms = _gpu_ms(lambda s: tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale), sets, reps=15)
+        times[fused]["contiguous_b8_n32k"] = min(ms, times[fused].get("contiguous_b8_n32k", math.inf))
+    del sets
+    torch.cuda.empty_cache()
+    for fused, by_tag in times.items():
+        for tag, ms in by_tag.items():
+            record(f"decode_sweep_ms_{tag}_{'fused_merge' if fused else 'merge_kernel'}", ms, "ms")
+    score = {fused: sum(math.log(ms) for ms in by_tag.values()) for fused, by_tag in times.items()}
+    pd.FUSED_MERGE = default
+    pd.clear_caches()
+    print("    fused merge sweep (us): " + " ".join(
+        f"{tag}:{times[False][tag] * 1e3:.1f}->{times[True][tag] * 1e3:.1f}" for tag in times[False]))
+    # Geometric-mean time ratio fused / merge kernel (< 1: the fused merge is faster); the headline rows below
+    # use the library default, so they describe what the code does.
+    record("decode_fused_merge_time_ratio", math.exp((score[True] - score[False]) / len(times[False])), "ratio")
+
+
 def run(record) -> None:
     import flashquant_hf.kernels.paged_decode as pd
     from flashquant_hf.kernels.split_k import launch_merge
@@ -200,6 +246,14 @@ def run(record) -> None:
     print(f"    chosen: WARPS={best_warps}, PREFETCH_CHUNKS={best_prefetch}")
     record("decode_tuned_warps", best_warps, "warps")
     record("decode_tuned_prefetch_chunks", best_prefetch, "chunks")
+    default_merge = pd.FUSED_MERGE
+    try:  # an experiment: a failure must not cost the headline rows below
+        _sweep_fused_merge(pd, record, paged_fn, c, scale, dev)
+    except Exception as error:  # noqa: BLE001
+        print(f"    fused merge sweep failed: {error!r}")
+        record("decode_fused_merge_failed", 1, "error")
+    pd.FUSED_MERGE = default_merge
+    pd.clear_caches()
 
     sdpa_b8 = None
     for batch, keys, tag, target in CONFIGS:
@@ -238,9 +292,7 @@ def run(record) -> None:
 
     batch, keys = 8, 32768
     tq_bytes = batch * KV_HEADS * keys * (HEAD_DIM + 8)
-    sets = [(*_contiguous_set(batch, keys, dev, seed),
-             torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16))
-            for seed in range(copies_to_exceed_l2(tq_bytes))]
+    sets = _contiguous_query_sets(batch, keys, dev)
 
     def fused(s):
         return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)

@@ -178,12 +178,17 @@ def bench_fused(record) -> None:
         record_resources(record, f"fused_{config.label()}", tqp.CUDA_SOURCE,
                          tqp.name_expression(head_dim, bits, bits, config))
         if config == default:
-            torch.cuda.synchronize()
-            begin = time.perf_counter()
-            for c in caches * 4:  # not synchronised: the host time of the call alone
-                tqp.tq_prefill_with(config, q_rot, *c, centroids, centroids, bits, bits, scale, True)
-            record("fused_prefill_host_us", (time.perf_counter() - begin) / (4 * len(caches)) * 1e6, "us")
-            torch.cuda.synchronize()
+            default_launch = tqp.FAST_LAUNCH
+            for fast, suffix in ((False, "_cupy_launch"), (default_launch, "")):  # the default last
+                tqp.FAST_LAUNCH = fast
+                torch.cuda.synchronize()
+                begin = time.perf_counter()
+                for c in caches * 4:  # not synchronised: the host time of the call alone
+                    tqp.tq_prefill_with(config, q_rot, *c, centroids, centroids, bits, bits, scale, True)
+                record(f"fused_prefill_host_us{suffix}", (time.perf_counter() - begin) / (4 * len(caches)) * 1e6,
+                       "us")
+                torch.cuda.synchronize()
+            tqp.FAST_LAUNCH = default_launch
             record("fused_prefill_ms", ms, "ms")
             record("fused_prefill_tflops", tflops, "TFLOP/s")
             record("fused_prefill_vs_sdpa", tflops / sdpa_tflops, "ratio", ">= 0.40")

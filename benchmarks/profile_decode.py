@@ -75,19 +75,10 @@ def main(argv: list[str] | None = None) -> None:
         fn(sets[i % len(sets)])
     torch.cuda.synchronize()
     if args.time:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for r in range(30):
-            torch.cuda._sleep(4_000_000)
-            start.record()
-            for i in range(8):
-                fn(sets[(r + i) % len(sets)])
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 8)
+        us = _gpu_us(fn, sets, reps=30)
         pf = pd.CONTIGUOUS_PREFETCH_CHUNKS if args.contiguous else pd.PREFETCH_CHUNKS
         print(f"profile_decode B={args.batch} N={args.keys} W={pd.WARPS} pf={pf} options={pd.KERNEL_OPTIONS} "
-              f"{'contiguous' if args.contiguous else 'paged'}: {statistics.median(times) * 1e3:.1f} us/call")
+              f"{'contiguous' if args.contiguous else 'paged'}: {us:.1f} us/call")
     print("profile_decode: done")
 
 

@@ -3,7 +3,8 @@
 Resolution order for each field: an explicit argument, else its environment variable, else the default.
 The defaults are the best settings measured so far (SmolLM2-135M, decode-faithful perplexity, prefix 1024,
 1024 scored tokens, 3 rotation seeds; docs/quality.md): TQ4 with a 128-token exact window and norm correction
-+1.47%; adding 4 exact sink tokens and key centring +0.53%.
++1.47%; adding 4 exact sink tokens and key centring +0.53%; and value centring +0.48% (value centring is on
+for 4-bit values only: at 3 and 2.5 bits it measured worse).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class TurboQuantConfig:
         compresses every token before it is attended
     sink_tokens : the first tokens of the sequence kept exact forever (default 4)
     key_centering, value_centering : subtract a per-sequence, per-head, per-channel mean (computed on the first
-        prefill) before compressing; exact for attention (defaults True for keys, False for values)
+        prefill) before compressing; exact for attention (default: keys always, values when ``value_bits == 4``)
     norm_correction : store ``||x|| / ||centroids[idx]||`` so reconstructions keep the exact norm (default True)
     rotation : ``"haar"`` (dense random orthogonal) or ``"hadamard"`` (randomized Hadamard; power-of-two head_dim)
     seed : rotation seed; keys use ``2 * seed``, values ``2 * seed + 1`` (default 0)
@@ -100,6 +101,9 @@ class TurboQuantConfig:
         for name, value in zip(("key_bits", "value_bits"), derived):
             if resolved[name] is None:
                 resolved[name] = value
+        if resolved["value_centering"] is None:
+            # Measured (docs/quality.md): within noise of helping at 4 bits, +0.2 / +0.7 points at 3 / 2 bits.
+            resolved["value_centering"] = resolved["value_bits"] == 4
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
         problem = self._first_problem()
@@ -148,6 +152,8 @@ class TurboQuantConfig:
         # key/value bits follow a new `bits` unless they are overridden too.
         if "bits" in overrides:
             values["key_bits"] = values["value_bits"] = None
+        if {"bits", "value_bits"} & overrides.keys():
+            values["value_centering"] = None  # derived from the value bits again unless overridden too
         values.update(overrides)
         return TurboQuantConfig(**values)
 
@@ -160,7 +166,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], Any]] = {
     "residual_length": (_parse_int, 128),
     "sink_tokens": (_parse_int, 4),
     "key_centering": (_parse_bool, True),
-    "value_centering": (_parse_bool, False),
+    "value_centering": (_parse_bool, None),
     "norm_correction": (_parse_bool, True),
     "rotation": (_parse_str, "haar"),
     "seed": (_parse_int, 0),

@@ -11,7 +11,7 @@ import pytest
 from flashquant_hf import TurboQuantConfig
 from flashquant_hf.config import env_var, field_names
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "hf_integration.md"
+DOC = Path(__file__).resolve().parent.parent / "README.md"  # the one settings table
 
 
 @pytest.fixture(autouse=True)
@@ -25,7 +25,7 @@ def test_defaults_are_the_measured_best():
     assert (cfg.bits, cfg.key_bits, cfg.value_bits) == (4, 4, 4)
     assert cfg.residual_length == 128
     assert cfg.norm_correction is True
-    assert (cfg.sink_tokens, cfg.key_centering, cfg.value_centering) == (4, True, False)
+    assert (cfg.sink_tokens, cfg.key_centering, cfg.value_centering) == (4, True, True)
     assert (cfg.rotation, cfg.seed, cfg.backend) == ("haar", 0, "auto")
     assert (cfg.key_seed, cfg.value_seed) == (0, 1)
 
@@ -65,6 +65,17 @@ def test_key_and_value_bits_follow_bits_unless_set():
     again = cfg.replace(bits=3)
     assert (again.key_bits, again.value_bits) == (3, 3)
     assert cfg.replace(residual_length=0).value_bits == 4
+
+
+def test_value_centring_defaults_to_4_bit_values_only(monkeypatch):
+    assert TurboQuantConfig().value_centering is True
+    assert TurboQuantConfig(bits=3).value_centering is False
+    assert TurboQuantConfig(bits=2.5).value_centering is False
+    assert TurboQuantConfig(bits=3, value_bits=4).value_centering is True
+    assert TurboQuantConfig(bits=3, value_centering=True).value_centering is True
+    assert TurboQuantConfig().replace(bits=3).value_centering is False
+    monkeypatch.setenv("FLASHQUANT_VALUE_CENTERING", "1")
+    assert TurboQuantConfig(bits=3).value_centering is True
 
 
 @pytest.mark.parametrize("bits, key_bits, value_bits", [(1.5, 2, 1), (2.5, 3, 2), (3.5, 4, 3)])
@@ -120,7 +131,7 @@ def test_config_is_a_frozen_dataclass():
 def test_docs_table_lists_every_field_and_variable():
     text = DOC.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| `")]
-    documented = {re.match(r"\| `(\w+)`", row).group(1): row for row in rows}
+    documented = {m.group(1): row for row in rows if (m := re.match(r"\| `(\w+)` \|", row))}
     for name in field_names():
-        assert name in documented, f"docs/hf_integration.md has no table row for `{name}`"
+        assert name in documented, f"the README settings table has no row for `{name}`"
         assert env_var(name) in documented[name], f"the row of `{name}` does not name {env_var(name)}"

@@ -13,12 +13,9 @@ split the kernel writes the result directly, otherwise ``split_k_reduce.cu`` mer
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import os
-import struct
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +23,8 @@ import numpy as np
 import torch
 
 from ..paged import BLOCK_SIZES, PagedLayout
-from .loader import get_kernel, launch
+from . import loader
+from .loader import get_kernel
 from .split_k import CUDA_SOURCE as MERGE_SOURCE
 from .split_k import ROWS_PER_BLOCK as MERGE_ROWS_PER_BLOCK
 from .split_k import VECTOR_HEAD_DIMS as MERGE_HEAD_DIMS
@@ -67,9 +65,13 @@ KERNEL_OPTIONS: tuple[str, ...] = tuple(os.environ.get("FQ_DECODE_NVRTC_OPTIONS"
 SLOT_FACTOR = 1.0  # planned CTA slots = SMs x resident CTAs x SLOT_FACTOR
 OVERHEAD_KEYS = 128  # per-CTA start/merge cost, in keys of streaming
 PARTIAL_KEYS = 64  # cost of writing + merging one partial result, in keys
-# Launch through cached cuLaunchKernel parameter arrays instead of CuPy's per-argument conversion: 51 instead of
-# 102 us of host time per call on the H200 host (docs/kernels_decode.md, version 3).
+# Launch through cached cuLaunchKernel parameter arrays (kernels.loader.launch_cached) instead of CuPy's per-argument
+# conversion: 51 instead of 102 us of host time per call on the H200 host (docs/kernels_decode.md, version 3).
 FAST_LAUNCH = True
+# Merge the splits inside the decode kernel (the last CTA of each unit, by an atomic ticket) instead of a second
+# kernel (docs/kernels_decode.md, version 5). Off until measured faster on the H200.
+FUSED_MERGE = False
+FUSED_MERGE_OPTION = "-DFQD_FUSED_MERGE=1"  # the NVRTC build with the merge (and three more kernel parameters)
 NULL = np.uint64(0)
 LOG2E = 1.4426950408889634
 
@@ -161,6 +163,12 @@ def _workspace(device_index: int, splits: int, rows: int, head_dim: int) -> tupl
     )
 
 
+@functools.lru_cache(maxsize=32)
+def _tickets(device_index: int, units: int) -> torch.Tensor:
+    # Zero between launches: the last CTA of each unit resets its counter; stream order does the rest.
+    return torch.zeros(units, dtype=torch.int32, device=torch.device("cuda", device_index))
+
+
 @dataclass(frozen=True)
 class _Launch:
     """Everything about one decode call that depends only on its shape: kernels, grid, plan, workspace."""
@@ -174,123 +182,57 @@ class _Launch:
     plan: DecodePlan
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
+    tickets: torch.Tensor | None  # FUSED_MERGE: one zeroed uint32 counter per unit, reset by the kernel
+    fused_merge: bool  # the kernel was built with FUSED_MERGE_OPTION (three more parameters)
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
-_ARG_BLOCKS: dict[int, "_ArgBlock"] = {}
 _CACHE_LIMIT = 256
-
-
-def _function_ptr(kernel: Any, index: int) -> int:
-    """The CUfunction of a CuPy RawKernel (loaded in ``index``'s primary context), or 0 for none."""
-    if kernel is None:
-        return 0
-    import cupy
-
-    with cupy.cuda.Device(index):
-        function = getattr(kernel, "kernel", kernel)  # RawKernel -> cupy.cuda.Function
-        return int(function.ptr)
 
 
 def clear_caches() -> None:
     """Forget cached plans, workspaces and argument blocks (after changing the tuning constants)."""
     _LAUNCHES.clear()
-    _ARG_BLOCKS.clear()
+    loader.clear_arg_blocks()
     plan_decode.cache_clear()
     _workspace.cache_clear()
+    _tickets.cache_clear()
 
 
 def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_shape: tuple[int, int, int],
                 rows: int, length: int, log2_block_size: int | None) -> _Launch:
     key = (mode, head_dim, query_kind, index, units_shape, rows, length, log2_block_size, WARPS, SLOT_FACTOR,
-           KERNEL_OPTIONS)
+           KERNEL_OPTIONS, FUSED_MERGE)
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
     batch, kv_heads, head_groups = units_shape
     warps = warps_for(head_dim)
-    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, KERNEL_OPTIONS)
+    options = KERNEL_OPTIONS + (FUSED_MERGE_OPTION,) if FUSED_MERGE else KERNEL_OPTIONS
+    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, options)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
-    merge = part_out = part_lse = None
+    merge = part_out = part_lse = tickets = None
     if plan.splits > 1:
         part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
-        variant = head_dim if head_dim in MERGE_HEAD_DIMS else 0
-        merge = get_kernel(MERGE_SOURCE, f"fqr::split_k_merge<{variant}>", torch.device("cuda", index))
-    found = _Launch(kernel, merge, _function_ptr(kernel, index), _function_ptr(merge, index),
-                    (plan.splits, kv_heads * head_groups, batch), 32 * warps, plan, part_out, part_lse)
+        if FUSED_MERGE:
+            tickets = _tickets(index, batch * kv_heads * head_groups)
+        else:
+            variant = head_dim if head_dim in MERGE_HEAD_DIMS else 0
+            merge = get_kernel(MERGE_SOURCE, f"fqr::split_k_merge<{variant}>", torch.device("cuda", index))
+    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), loader.function_ptr(merge, index),
+                    (plan.splits, kv_heads * head_groups, batch), 32 * warps, plan, part_out, part_lse, tickets,
+                    FUSED_MERGE)
     if len(_LAUNCHES) >= _CACHE_LIMIT:
         _LAUNCHES.clear()
     _LAUNCHES[key] = found
     return found
 
 
-# struct codes of the kernel argument types; every argument gets an 8-byte slot (little-endian, padded).
-_CODES = {np.uint64: "Q", np.int64: "q", np.int32: "i4x", np.float32: "f4x"}
-
-
-class _ArgBlock:
-    """``cuLaunchKernel``'s parameter array of one kernel, laid out once from the first call's argument types.
-
-    A call writes every value with one ``struct.pack_into`` (a few microseconds for 39 arguments, against
-    ~1 us per argument through CuPy's conversion). The lock keeps fill + launch atomic between threads (the driver
-    copies the values at launch)."""
-
-    def __init__(self, args: tuple) -> None:
-        self.pointer_slots = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        self.format = "<" + "".join(_CODES[type(_as_scalar(a))] for a in args)
-        self.buffer = ctypes.create_string_buffer(8 * len(args))
-        base = ctypes.addressof(self.buffer)
-        self.params = (ctypes.c_void_p * len(args))(*[base + 8 * i for i in range(len(args))])
-        self.address = ctypes.addressof(self.params)
-        self.lock = threading.Lock()
-
-    def fill(self, args: tuple) -> int:
-        values = list(args)
-        for i in self.pointer_slots:
-            values[i] = values[i].data_ptr()
-        struct.pack_into(self.format, self.buffer, 0, *values)
-        return self.address
-
-
-def _as_scalar(value: Any) -> np.generic:
-    if isinstance(value, torch.Tensor):
-        return np.uint64(0)
-    if isinstance(value, (bool, int)):
-        return np.int32(value)
-    if isinstance(value, float):
-        return np.float32(value)
-    return value
-
-
-def _raw_stream(index: int) -> int:
-    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return getter(index) if getter is not None else torch.cuda.current_stream(index).cuda_stream
-
-
-def launch_cached(kernel, function_ptr: int, grid: tuple[int, int, int], block: int, args: tuple,
-                  device_index: int, shared_mem: int = 0) -> None:
-    """Launch ``kernel`` on torch's current stream through its cached parameter array (``FAST_LAUNCH``), or
-    through CuPy (``kernels.loader.launch``) when that is off, torch's current device is another one, or the
-    driver refuses the context before launching. Every call of one kernel must pass the same argument types."""
-    if FAST_LAUNCH and torch.cuda.current_device() == device_index:
-        import cupy
-
-        block_args = _ARG_BLOCKS.get(function_ptr)
-        if block_args is None:
-            block_args = _ARG_BLOCKS[function_ptr] = _ArgBlock(args)
-        try:
-            # The kernel lives in the device's primary context, current once torch has used the device here.
-            with block_args.lock:
-                cupy.cuda.driver.launchKernel(
-                    function_ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem, _raw_stream(device_index),
-                    block_args.fill(args), 0,
-                )
-            return
-        except cupy.cuda.driver.CUDADriverError as error:  # e.g. no current context on this thread: nothing ran
-            if "CONTEXT" not in str(error):
-                raise
-    launch(kernel, grid, (block,), args, torch.device("cuda", device_index), shared_mem=shared_mem)
+def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int, args: tuple, device_index: int,
+                  shared_mem: int = 0) -> None:
+    """:func:`flashquant_hf.kernels.loader.launch_cached` with this module's ``FAST_LAUNCH`` switch."""
+    loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH)
 
 
 def run_decode(
@@ -323,8 +265,10 @@ def run_decode(
         centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, plan.split_len,
         part_out, part_lse, rows, PREFETCH_CHUNKS if mode == MODE_PAGED else CONTIGUOUS_PREFETCH_CHUNKS,
     )
+    if setup.fused_merge:
+        args += (out, lse, setup.tickets) if setup.tickets is not None else (NULL, NULL, NULL)
     launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
-    if plan.splits > 1:
+    if setup.merge is not None:
         merge_args = (part_out, np.int64(rows * head_dim), np.int64(head_dim), part_lse, np.int64(rows), np.int64(1),
                       out, lse, plan.splits, rows, head_dim)
         launch_cached(setup.merge, setup.merge_ptr, (-(-rows // MERGE_ROWS_PER_BLOCK), 1, 1), 32 * MERGE_ROWS_PER_BLOCK,

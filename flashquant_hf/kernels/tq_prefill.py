@@ -51,6 +51,8 @@ CANDIDATE_CONFIGS: dict[int, tuple[TileConfig, ...]] = {
     ),
 }
 CLUSTER_MIN_CAPABILITY = (9, 0)
+MERGE_ROWS_PER_CTA = 8  # fused_tq_merge_splits: one warp per row, 256 threads
+_DEFAULTS: dict[tuple[int, int], TileConfig] = {}  # (device index, head_dim) -> default_config
 
 
 def packed_bytes(head_dim: int, bits: int) -> int:
@@ -206,46 +208,69 @@ def _check_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_ce
     check_heads_grid_scale("q_rot", batch, q_heads, kv_heads, scale)
 
 
-_PLANS: dict[tuple, tuple] = {}  # launch signature -> (kernel, grid, threads, shared bytes, scalar arguments)
+# Launch through cached cuLaunchKernel parameter arrays (kernels.loader.launch_cached); False: CuPy's launch.
+FAST_LAUNCH = True
+NULL = np.uint64(0)
+F32 = torch.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything about one call that depends only on its signature (shapes, strides, alignments, settings)."""
+
+    kernel: object
+    kernel_ptr: int  # CUfunction for loader.launch_cached
+    grid: tuple[int, int, int]
+    threads: int
+    smem: int
+    scalars: tuple  # the kernel arguments after the ten pointers
+    splits: int
+    convert_q: bool  # queries need the bf16 (aligned) copy on every call
+    index: int
+    device: torch.device
+    out_shape: tuple[int, ...]  # [B, Hq, Lq, D]
+    merge: object
+    merge_ptr: int
+    merge_grid: tuple[int, int, int]
+    rows: int
+
+
+_PLANS: dict[tuple, tuple[_Plan, bool]] = {}  # signature -> (plan, whether inputs of this signature were validated)
 _MAX_PLANS = 512
 
 
-def launch_tq_prefill(
-    q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits: int, v_bits: int, scale: float,
-    causal: bool, key_bias, out: torch.Tensor, lse: torch.Tensor, config: TileConfig, splits: int,
-) -> None:
-    """Run the kernel (inputs already validated) writing ``splits`` partial results into contiguous
-    ``out [splits, B, Hq, Lq, D]`` and ``lse [splits, B, Hq, Lq]`` fp32 (``splits`` = 1: the final result).
-    Keys are divided into ``splits`` ranges of whole tiles; empty ranges write out 0 and lse -inf."""
+def _signature(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale, causal,
+               key_bias, config, splits) -> tuple:
+    """Everything validation and planning depend on (raises AttributeError / TypeError for non-tensors)."""
+    return (
+        q_rot.dtype, q_rot.shape, q_rot.stride(), q_rot.get_device(), q_rot.data_ptr() & 15,
+        k_packed.dtype, k_packed.shape, k_packed.stride(), k_packed.get_device(), k_packed.data_ptr() & 15,
+        v_packed.dtype, v_packed.shape, v_packed.stride(), v_packed.get_device(), v_packed.data_ptr() & 15,
+        k_norms.dtype, k_norms.shape, k_norms.stride(), k_norms.get_device(),
+        v_norms.dtype, v_norms.shape, v_norms.stride(), v_norms.get_device(),
+        k_centroids.dtype, k_centroids.shape, k_centroids.stride(), k_centroids.get_device(),
+        v_centroids.dtype, v_centroids.shape, v_centroids.stride(), v_centroids.get_device(),
+        None if key_bias is None else (key_bias.dtype, key_bias.shape, key_bias.stride(), key_bias.get_device()),
+        k_bits, v_bits, scale.__class__, scale, causal, config, splits,
+    )
+
+
+def _make_plan(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, scale, causal, key_bias, config,
+               splits) -> tuple[_Plan | None, tuple]:
+    """Plan of a validated call with ``kv_len > 0`` and a non-empty query; also returns the (possibly copied)
+    ``(q, k_packed, v_packed)`` to launch with. The plan is ``None`` when a packed tensor had to be copied (the
+    copy is per call, so its layout is not the caller's)."""
     batch, q_heads, q_len, head_dim = q_rot.shape
     kv_heads, kv_len = k_packed.shape[1], k_packed.shape[2]
-    if batch == 0 or q_heads == 0 or q_len == 0:
-        return
-    if kv_len == 0:
-        out.zero_()
-        lse.fill_(-math.inf)
-        return
-    # The scalar arguments depend only on shapes, strides, alignments and settings: cached per signature, since
-    # the host time before the launch is part of every call's latency.
-    key = (q_rot.dtype, q_rot.shape, q_rot.stride(), q_rot.data_ptr() & 15, q_rot.device,
-           k_packed.shape, k_packed.stride(), k_packed.data_ptr() & 15, v_packed.shape, v_packed.stride(),
-           v_packed.data_ptr() & 15, k_norms.stride(), v_norms.stride(), k_centroids.stride(), v_centroids.stride(),
-           None if key_bias is None else key_bias.stride(), k_bits, v_bits, scale, causal, config, splits)
-    plan = _PLANS.get(key)
-    if plan is not None:
-        kernel, grid, threads, smem, scalars = plan
-        bias_ptr = np.uint64(0) if key_bias is None else key_bias
-        args = (q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, bias_ptr, out, lse) + scalars
-        loader.launch(kernel, grid, threads, args, q_rot.device, shared_mem=smem)
-        return
     q = as_aligned(q_rot.to(torch.bfloat16))
     kp, k_vec = _packed_vector(k_packed, head_dim, k_bits)
     vp, v_vec = _packed_vector(v_packed, head_dim, v_bits)
-    kc, vc = k_centroids.contiguous(), v_centroids.contiguous()
     n_tiles = -(-kv_len // config.block_n)
     split_len = -(-n_tiles // splits) * config.block_n
     group = q_heads // kv_heads
-    kernel = loader.get_kernel(CUDA_SOURCE, name_expression(head_dim, k_bits, v_bits, config), q.device)
+    index = _device_index(q.device)
+    device = torch.device("cuda", index)
+    kernel = loader.get_kernel(CUDA_SOURCE, name_expression(head_dim, k_bits, v_bits, config), device)
     i64, i32 = np.int64, np.int32
     qs, kps, kns, vps, vns = q.stride(), kp.stride(), k_norms.stride(), vp.stride(), v_norms.stride()
     bias_strides = (i64(0), i64(0)) if key_bias is None else (i64(key_bias.stride(0)), i64(key_bias.stride(1)))
@@ -256,17 +281,88 @@ def launch_tq_prefill(
         i64(vps[0]), i64(vps[1]), i64(vps[2]), i64(vns[0]), i64(vns[1]), i64(vns[2]),
         *bias_strides, np.float32(float(scale) * math.log2(math.e)), i32(bool(causal)),
     )
-    grid = (grid_row_blocks(q_len, group, config), kv_heads, batch * splits)
-    threads = (config.threads,)
-    smem = shared_bytes(head_dim, k_bits, v_bits, config)
-    bias_ptr = np.uint64(0) if key_bias is None else key_bias
-    args = (q, kp, k_norms, vp, v_norms, kc, vc, bias_ptr, out, lse) + scalars
-    loader.launch(kernel, grid, threads, args, q.device, shared_mem=smem)
-    # Reusable only when nothing was converted or copied (the cached path passes the caller's tensors as they are).
-    if q is q_rot and kp is k_packed and vp is v_packed and kc is k_centroids and vc is v_centroids:
+    rows = batch * q_heads * q_len
+    merge = loader.get_kernel(CUDA_SOURCE, merge_name_expression(head_dim), device) if splits > 1 else None
+    plan = _Plan(
+        kernel, loader.function_ptr(kernel, index), (grid_row_blocks(q_len, group, config), kv_heads, batch * splits),
+        config.threads, shared_bytes(head_dim, k_bits, v_bits, config), scalars, splits, q is not q_rot, index,
+        device, (batch, q_heads, q_len, head_dim), merge, loader.function_ptr(merge, index),
+        (-(-rows // MERGE_ROWS_PER_CTA), 1, 1), rows,
+    )
+    copied = kp is not k_packed or vp is not v_packed
+    return (None if copied else plan), (plan, q, kp, vp)
+
+
+def _execute(plan: _Plan, q, kp, vp, k_norms, v_norms, k_centroids, v_centroids, key_bias, out, lse) -> None:
+    """Enqueue the kernel (into ``out``/``lse``: the partials when ``plan.splits`` > 1) on the current stream."""
+    args = (q, kp, k_norms, vp, v_norms, k_centroids, v_centroids, NULL if key_bias is None else key_bias, out,
+            lse) + plan.scalars
+    loader.launch_cached(plan.kernel, plan.kernel_ptr, plan.grid, plan.threads, args, plan.index, plan.smem,
+                         FAST_LAUNCH)
+
+
+def _prepare(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale, causal,
+             key_bias, config, splits, validate: bool):
+    """(plan, q, k_packed, v_packed) to launch; plan ``None`` when there is no query or no key.
+
+    A signature seen before skips planning and, if its inputs were validated then, validation (the signature
+    holds everything the checks read); plans are stored only when no packed tensor had to be copied."""
+    try:
+        key = _signature(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
+                         causal, key_bias, config, splits)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors / unhashable: validation names the argument
+        key = plan = None
+    if plan is not None and (plan[1] or not validate):
+        plan = plan[0]
+        q = as_aligned(q_rot.to(torch.bfloat16)) if plan.convert_q else q_rot
+        return plan, q, k_packed, v_packed
+    if validate:
+        _check_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
+                      key_bias)
+    return _plan_uncached(key, validate, q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, scale, causal,
+                          key_bias, config, splits)
+
+
+def _plan_uncached(key, validated, q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, scale, causal,
+                   key_bias, config, splits):
+    dev = q_rot.device
+    if config.cluster and _capability(_device_index(dev)) < CLUSTER_MIN_CAPABILITY:
+        raise ValueError(f"`config` {config.label()} uses a thread-block cluster, which needs sm_90 or newer; "
+                         f"got a GPU of capability {_capability(_device_index(dev))}")
+    batch, q_heads, q_len, head_dim = q_rot.shape
+    kv_heads, kv_len = k_packed.shape[1], k_packed.shape[2]
+    if splits is None:
+        splits = choose_splits(q_rot, kv_heads, kv_len, k_bits, v_bits, config)
+    if not (isinstance(splits, int) and 1 <= splits <= MAX_GRID_YZ // max(1, batch)):
+        raise ValueError(f"`splits` must be an int in [1, {MAX_GRID_YZ // max(1, batch)}], got {splits!r}")
+    if batch == 0 or q_heads == 0 or q_len == 0 or kv_len == 0:
+        return None, q_rot, k_packed, v_packed
+    cacheable, (plan, q, kp, vp) = _make_plan(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits,
+                                              float(scale), bool(causal), key_bias, config, splits)
+    if cacheable is not None and key is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        _PLANS[key] = (kernel, grid, threads, smem, scalars)
+        _PLANS[key] = (cacheable, validated)
+    return plan, q, kp, vp
+
+
+def launch_tq_prefill(
+    q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits: int, v_bits: int, scale: float,
+    causal: bool, key_bias, out: torch.Tensor, lse: torch.Tensor, config: TileConfig, splits: int,
+) -> None:
+    """Run the kernel (inputs already validated) writing ``splits`` partial results into contiguous
+    ``out [splits, B, Hq, Lq, D]`` and ``lse [splits, B, Hq, Lq]`` fp32 (``splits`` = 1: the final result).
+    Keys are divided into ``splits`` ranges of whole tiles; empty ranges write out 0 and lse -inf."""
+    prepared = _prepare(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
+                        causal, key_bias, config, splits, validate=False)
+    if prepared[0] is None:  # nothing to attend or no query
+        if k_packed.shape[2] == 0 and out.numel():
+            out.zero_()
+            lse.fill_(-math.inf)
+        return
+    plan, q, kp, vp = prepared
+    _execute(plan, q, kp, vp, k_norms, v_norms, k_centroids, v_centroids, key_bias, out, lse)
 
 
 def choose_splits(q_rot: torch.Tensor, kv_heads: int, kv_len: int, k_bits: int, v_bits: int, config: TileConfig) -> int:
@@ -308,15 +404,23 @@ def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Te
     splits, batch, q_heads, q_len, head_dim = out_parts.shape
     dev = out_parts.device
     if out is None:
-        out = torch.empty(batch, q_heads, q_len, head_dim, dtype=torch.float32, device=dev)
+        out = torch.empty(batch, q_heads, q_len, head_dim, dtype=F32, device=dev)
     if lse is None:
-        lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=dev)
+        lse = torch.empty(batch, q_heads, q_len, dtype=F32, device=dev)
     rows = batch * q_heads * q_len
     if rows == 0:
         return out, lse
-    kernel = loader.get_kernel(CUDA_SOURCE, merge_name_expression(head_dim), dev)
-    loader.launch(kernel, (-(-rows // 8),), (256,), (out_parts, lse_parts, out, lse, splits, np.int64(rows)), dev)
+    index = _device_index(dev)
+    kernel, kernel_ptr = _merge_kernel(head_dim, index)
+    loader.launch_cached(kernel, kernel_ptr, (-(-rows // MERGE_ROWS_PER_CTA), 1, 1), 32 * MERGE_ROWS_PER_CTA,
+                         (out_parts, lse_parts, out, lse, splits, np.int64(rows)), index, 0, FAST_LAUNCH)
     return out, lse
+
+
+@functools.cache
+def _merge_kernel(head_dim: int, index: int) -> tuple[object, int]:
+    kernel = loader.get_kernel(CUDA_SOURCE, merge_name_expression(head_dim), torch.device("cuda", index))
+    return kernel, loader.function_ptr(kernel, index)
 
 
 def tq_prefill_with(
@@ -324,31 +428,35 @@ def tq_prefill_with(
     causal: bool = False, key_bias=None, splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tq_prefill` with an explicit tiling and (optionally) split count (benchmarks and tests)."""
-    _check_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
-                  key_bias)
     return _run(config, q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
                 causal, key_bias, splits)
 
 
 def _run(config, q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale, causal,
          key_bias, splits) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, q_heads, q_len, head_dim = q_rot.shape
-    kv_heads, kv_len = k_packed.shape[1], k_packed.shape[2]
-    dev = q_rot.device
-    if config.cluster and _capability(_device_index(dev)) < CLUSTER_MIN_CAPABILITY:
-        raise ValueError(f"`config` {config.label()} uses a thread-block cluster, which needs sm_90 or newer; "
-                         f"got a GPU of capability {_capability(_device_index(dev))}")
-    if splits is None:
-        splits = choose_splits(q_rot, kv_heads, kv_len, k_bits, v_bits, config)
-    if not (isinstance(splits, int) and 1 <= splits <= MAX_GRID_YZ // max(1, batch)):
-        raise ValueError(f"`splits` must be an int in [1, {MAX_GRID_YZ // max(1, batch)}], got {splits!r}")
-    out = torch.empty(splits, batch, q_heads, q_len, head_dim, dtype=torch.float32, device=dev)
-    lse = torch.empty(splits, batch, q_heads, q_len, dtype=torch.float32, device=dev)
-    launch_tq_prefill(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits,
-                      float(scale), bool(causal), key_bias, out, lse, config, splits)
-    if splits == 1:
-        return out[0], lse[0]
-    return merge_splits(out, lse)
+    prepared = _prepare(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
+                        causal, key_bias, config, splits, validate=True)
+    plan = prepared[0]
+    if plan is None:  # no query or no key: nothing to launch
+        batch, q_heads, q_len, head_dim = q_rot.shape
+        out = torch.zeros(batch, q_heads, q_len, head_dim, dtype=F32, device=q_rot.device)
+        lse = torch.full((batch, q_heads, q_len), -math.inf, dtype=F32, device=q_rot.device)
+        return out, lse
+    _, q, kp, vp = prepared
+    out = torch.empty(plan.out_shape, dtype=F32, device=plan.device)
+    lse = torch.empty(plan.out_shape[:-1], dtype=F32, device=plan.device)
+    if plan.splits == 1:
+        _execute(plan, q, kp, vp, k_norms, v_norms, k_centroids, v_centroids, key_bias, out, lse)
+        return out, lse
+    # One buffer for both partials (one allocation); stream order keeps it alive for the merge.
+    rows, head_dim = plan.rows, plan.out_shape[-1]
+    parts = torch.empty(plan.splits * rows * (head_dim + 1), dtype=F32, device=plan.device)
+    parts_ptr = parts.data_ptr()
+    part_out, part_lse = np.uint64(parts_ptr), np.uint64(parts_ptr + 4 * plan.splits * rows * head_dim)
+    _execute(plan, q, kp, vp, k_norms, v_norms, k_centroids, v_centroids, key_bias, part_out, part_lse)
+    loader.launch_cached(plan.merge, plan.merge_ptr, plan.merge_grid, 32 * MERGE_ROWS_PER_CTA,
+                         (part_out, part_lse, out, lse, plan.splits, np.int64(rows)), plan.index, 0, FAST_LAUNCH)
+    return out, lse
 
 
 def tq_prefill(
@@ -385,8 +493,11 @@ def tq_prefill(
 
     >>> out_rot, lse = tq_prefill(q_rot, kp, kn, vp, vn, kc, vc, 4, 4, 128 ** -0.5, causal=True)
     """
-    _check_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
-                  key_bias)
-    config = default_config(q_rot.shape[-1], q_rot.device)
+    try:  # the default tiling of the first call's device and head_dim (a cached lookup)
+        config = _DEFAULTS[(q_rot.get_device(), q_rot.shape[-1])]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        _check_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
+                      key_bias)
+        config = _DEFAULTS[(q_rot.get_device(), q_rot.shape[-1])] = default_config(q_rot.shape[-1], q_rot.device)
     return _run(config, q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
                 causal, key_bias, None)

@@ -271,6 +271,7 @@ def test_dispatch_through_tq_attention():
 )
 def test_invalid_inputs_raise(field, value, error, match):
     inp = make_inputs(1, 4, 2, 8, 40, 128, 4, 4, seed=0)
+    tqp.tq_prefill(**inp)  # the valid signature is cached first: the invalid one must still be checked
     if value == "half":
         value = inp[field].half()
     elif value == "short":
@@ -280,3 +281,25 @@ def test_invalid_inputs_raise(field, value, error, match):
     inp[field] = value
     with pytest.raises(error, match=match):
         tqp.tq_prefill(**inp)
+
+
+def test_fast_launch_matches_cupy_launch(monkeypatch):
+    """The cached cuLaunchKernel path (kernel and split merge) and CuPy's launch give identical bits, and the
+    kernel's reused parameter array follows changing pointers, lengths, splits, bias and query dtypes."""
+    config = tqp.DEFAULT_CONFIGS[128]
+    cases = [  # (B, Hq, H_kv, Lq, N, bias, splits, q dtype)
+        (1, 8, 2, 70, 500, "pad", 2, torch.bfloat16),
+        (1, 8, 2, 70, 500, "none", 2, torch.bfloat16),  # same kernel, NULL bias pointer
+        (2, 8, 2, 45, 900, "pad", 1, torch.float16),     # converted queries
+        (1, 8, 2, 70, 501, "pad", None, torch.bfloat16),
+        (1, 8, 2, 70, 500, "pad", 2, torch.bfloat16),   # the first signature again, fresh tensors
+    ]
+    for i, (batch, q_heads, kv_heads, q_len, kv_len, bias, splits, dtype) in enumerate(cases):
+        inp = make_inputs(batch, q_heads, kv_heads, q_len, kv_len, 128, 4, 4, seed=50 + i, q_dtype=dtype, bias=bias)
+        results = []
+        for fast in (True, False):
+            monkeypatch.setattr(tqp, "FAST_LAUNCH", fast)
+            results.append(tqp.tq_prefill_with(config, **inp, causal=True, splits=splits))
+        (fast_out, fast_lse), (slow_out, slow_lse) = results
+        assert torch.equal(fast_out, slow_out) and torch.equal(fast_lse, slow_lse), f"case {i}"
+        assert_matches(fast_out, fast_lse, inp, True, f"fast launch case {i}")
