@@ -102,7 +102,7 @@ class TurboQuantConfig:
             if resolved[name] is None:
                 resolved[name] = value
         if resolved["value_centering"] is None:
-            # Measured (docs/quality.md): within noise of helping at 4 bits, +0.2 / +0.7 points at 3 / 2 bits.
+            # Measured (docs/quality.md): within noise of helping at 4 bits, +0.2 / +0.7 points at 3 / 2.5 bits.
             resolved["value_centering"] = resolved["value_bits"] == 4
         for name, value in resolved.items():
             object.__setattr__(self, name, value)

@@ -24,6 +24,7 @@ import torch
 from ..codebook import SUPPORTED_BITS
 from ..packing import packed_size
 from . import loader
+from .loader import device_index
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +109,6 @@ def dense_smem_bytes(head_dim: int) -> int:
 def sm_count(device_index: int) -> int:
     """Multiprocessors of a CUDA device (cached)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def device_index(device: torch.device) -> int:
-    """Index of a CUDA device (the current one when ``device`` has none)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def fast_divider(divisor: int) -> tuple[np.uint32, np.uint32, np.uint32]:

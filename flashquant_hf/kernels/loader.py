@@ -47,6 +47,11 @@ def _arch(device_index: int) -> str:
     return f"sm_{major}{minor}a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
+def device_index(device: torch.device) -> int:
+    """Index of a CUDA device (the current one when ``device`` has none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _kernel(source_name: str, name_expression: str, device_index: int, options: tuple[str, ...]):
     import cupy
@@ -62,8 +67,7 @@ def _kernel(source_name: str, name_expression: str, device_index: int, options: 
 
 def get_kernel(source_name: str, name_expression: str, device: torch.device, options: Sequence[str] = ()):
     """Compiled kernel ``name_expression`` (e.g. ``"tq_compress<128, __nv_bfloat16>"``) from ``cuda/<source_name>``."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _kernel(source_name, name_expression, index, tuple(options))
+    return _kernel(source_name, name_expression, device_index(device), tuple(options))
 
 
 def _as_kernel_arg(value: Any) -> Any:
@@ -103,7 +107,7 @@ def launch(
     """
     import cupy
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     with cupy.cuda.Device(index):
         if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
             kernel.max_dynamic_shared_size_bytes = shared_mem

@@ -102,14 +102,10 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def default_config(head_dim: int, device: torch.device) -> TileConfig:
     """:data:`DEFAULT_CONFIGS` entry for ``head_dim``; :func:`fallback_config` on GPUs older than sm_90."""
     config = DEFAULT_CONFIGS[head_dim]
-    if config.cluster and _capability(_device_index(device)) < CLUSTER_MIN_CAPABILITY:
+    if config.cluster and _capability(loader.device_index(device)) < CLUSTER_MIN_CAPABILITY:
         return fallback_config(head_dim)
     return config
 
@@ -268,7 +264,7 @@ def _make_plan(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, scal
     n_tiles = -(-kv_len // config.block_n)
     split_len = -(-n_tiles // splits) * config.block_n
     group = q_heads // kv_heads
-    index = _device_index(q.device)
+    index = loader.device_index(q.device)
     device = torch.device("cuda", index)
     kernel = loader.get_kernel(CUDA_SOURCE, name_expression(head_dim, k_bits, v_bits, config), device)
     i64, i32 = np.int64, np.int32
@@ -327,9 +323,9 @@ def _prepare(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroi
 def _plan_uncached(key, validated, q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, scale, causal,
                    key_bias, config, splits):
     dev = q_rot.device
-    if config.cluster and _capability(_device_index(dev)) < CLUSTER_MIN_CAPABILITY:
+    if config.cluster and _capability(loader.device_index(dev)) < CLUSTER_MIN_CAPABILITY:
         raise ValueError(f"`config` {config.label()} uses a thread-block cluster, which needs sm_90 or newer; "
-                         f"got a GPU of capability {_capability(_device_index(dev))}")
+                         f"got a GPU of capability {_capability(loader.device_index(dev))}")
     batch, q_heads, q_len, head_dim = q_rot.shape
     kv_heads, kv_len = k_packed.shape[1], k_packed.shape[2]
     if splits is None:
@@ -368,7 +364,7 @@ def launch_tq_prefill(
 def choose_splits(q_rot: torch.Tensor, kv_heads: int, kv_len: int, k_bits: int, v_bits: int, config: TileConfig) -> int:
     """Key splits for this launch: enough CTAs for one full wave on this GPU, never below 4 tiles per split."""
     batch, q_heads, q_len, head_dim = q_rot.shape
-    return _splits(_device_index(q_rot.device), batch, q_heads, q_len, head_dim, kv_heads, kv_len, k_bits, v_bits, config)
+    return _splits(loader.device_index(q_rot.device), batch, q_heads, q_len, head_dim, kv_heads, kv_len, k_bits, v_bits, config)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -410,7 +406,7 @@ def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Te
     rows = batch * q_heads * q_len
     if rows == 0:
         return out, lse
-    index = _device_index(dev)
+    index = loader.device_index(dev)
     kernel, kernel_ptr = _merge_kernel(head_dim, index)
     loader.launch_cached(kernel, kernel_ptr, (-(-rows // MERGE_ROWS_PER_CTA), 1, 1), 32 * MERGE_ROWS_PER_CTA,
                          (out_parts, lse_parts, out, lse, splits, np.int64(rows)), index, 0, FAST_LAUNCH)
