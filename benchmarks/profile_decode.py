@@ -97,27 +97,45 @@ def _gpu_us(fn, sets, reps=20):
 
 
 def _sweep(pd, c, scale, dev, options_list):
-    """Median GPU us per call of each (options, prefetch) on each shape; 3 interleaved rounds against drift."""
-    shapes = ((8, 32768), (1, 131072), (32, 8192))
+    """Median GPU us per call of each (options, prefetch) on each shape (paged B=8/N=32K, 1/128K, 32/8K and the
+    contiguous layout at B=8/N=32K); 3 interleaved rounds against drift."""
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    shapes = ((8, 32768, False), (1, 131072, False), (32, 8192, False), (8, 32768, True))
     variants = [(tuple(o.split()), pf) for o in options_list for pf in (0, 1)]
     results = {(v, sh): [] for v in variants for sh in shapes}
-    for batch, keys in shapes:
-        sets = _paged_sets(batch, keys, BLOCK_SIZE, dev)
+    for shape in shapes:
+        batch, keys, contiguous = shape
+        if contiguous:
+            tq_bytes = batch * KV_HEADS * keys * (HEAD_DIM + 8)
+            sets = [(*_contiguous_set(batch, keys, dev, seed),
+                     torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16))
+                    for seed in range(copies_to_exceed_l2(tq_bytes))]
 
-        def fn(s, keys=keys):
-            return pd.paged_decode(s[3], s[0], s[1], s[2], c, c, 4, 4, scale, BLOCK_SIZE, keys)
+            def fn(s):
+                return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)
+        else:
+            sets = _paged_sets(batch, keys, BLOCK_SIZE, dev)
+
+            def fn(s, keys=keys):
+                return pd.paged_decode(s[3], s[0], s[1], s[2], c, c, 4, 4, scale, BLOCK_SIZE, keys)
 
         for _ in range(3):
             for options, pf in variants:
-                pd.KERNEL_OPTIONS, pd.PREFETCH_CHUNKS = options, pf
+                pd.KERNEL_OPTIONS = options
+                if contiguous:
+                    pd.CONTIGUOUS_PREFETCH_CHUNKS = pf
+                else:
+                    pd.PREFETCH_CHUNKS = pf
                 pd.clear_caches()
                 for i in range(4):
                     fn(sets[i % len(sets)])
-                results[((options, pf), (batch, keys))].append(_gpu_us(fn, sets))
+                results[((options, pf), shape)].append(_gpu_us(fn, sets))
         del sets
         torch.cuda.empty_cache()
     for v in variants:
-        cells = " ".join(f"B{b}/N{n // 1024}K={statistics.median(results[(v, (b, n))]):.1f}" for b, n in shapes)
+        cells = " ".join(f"{'contig' if cont else 'paged'}-B{b}/N{n // 1024}K={statistics.median(results[(v, (b, n, cont))]):.1f}"
+                         for b, n, cont in shapes)
         print(f"sweep options={' '.join(v[0]) or '-'} pf={v[1]}: {cells} us")
 
 

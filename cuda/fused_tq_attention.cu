@@ -20,8 +20,8 @@
 // [tables][Q]; with Q in registers, Q is staged in stage 1 instead.
 //
 // Also here: fused_tq_attention_cluster_fwd (sm_90 thread-block clusters that decode each key tile once per
-// cluster and share it through distributed shared memory; see its section) and fused_tq_merge_splits (the
-// log-sum-exp merge of the key splits in one launch).
+// cluster and share it through distributed shared memory; see its section). The key splits are merged by the
+// decode path's log-sum-exp merge, fqr::split_k_merge in split_k_reduce.cu.
 #include "fa_common.cuh"
 
 namespace fa {
@@ -707,45 +707,4 @@ fused_tq_attention_cluster_fwd(const fa::u16* __restrict__ q, const unsigned cha
     // The last wait also guarantees that no peer still writes into this CTA's shared memory when it exits.
 
     store_rows<C>(acc, out, lse, rb, b, kvh, split, batch, q_heads, q_len);
-}
-
-// ----------------------------------------------------------------------------------------------------------
-// Log-sum-exp merge of the key splits: parts [S, R, D] (each normalised by its own softmax sum) and part_lse
-// [S, R] -> out [R, D], lse [R]; one warp per row, D / 32 consecutive floats per lane. A split that saw no key
-// has lse -inf and weight 0; a row no split saw ends with out 0 and lse -inf (reference/split_k.merge_partials).
-// One launch instead of a dozen elementwise passes over the partials.
-// ----------------------------------------------------------------------------------------------------------
-template <int D>
-__global__ void __launch_bounds__(256)
-fused_tq_merge_splits(const float* __restrict__ parts, const float* __restrict__ part_lse, float* __restrict__ out,
-                      float* __restrict__ lse, int splits, fa::i64 rows) {
-    using namespace fa;
-    constexpr int V = D / 32;
-    static_assert(V % 2 == 0, "head_dim must be a multiple of 64");
-    const i64 row = static_cast<i64>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const int lane = threadIdx.x & 31;
-    float m = neg_inf();
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, part_lse[s * rows + row]);
-    const float m_safe = m == neg_inf() ? 0.f : m;
-    float acc[V];
-#pragma unroll
-    for (int i = 0; i < V; ++i) acc[i] = 0.f;
-    float total = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        const float w = expf(part_lse[s * rows + row] - m_safe);
-        total += w;
-        const float* src = parts + (s * rows + row) * D + lane * V;
-#pragma unroll
-        for (int i = 0; i < V; i += 2) {
-            const F2 x = *reinterpret_cast<const F2*>(src + i);
-            acc[i] = fmaf(w, x.x, acc[i]);
-            acc[i + 1] = fmaf(w, x.y, acc[i + 1]);
-        }
-    }
-    const float inv = 1.f / fmaxf(total, 1.17549435e-38f);
-    float* dst = out + row * D + lane * V;
-#pragma unroll
-    for (int i = 0; i < V; i += 2) *reinterpret_cast<F2*>(dst + i) = F2{acc[i] * inv, acc[i + 1] * inv};
-    if (lane == 0) lse[row] = total > 0.f ? m_safe + logf(total) : neg_inf();
 }

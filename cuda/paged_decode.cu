@@ -356,15 +356,18 @@ struct WarpState {
   float l[2];                        // partial denominators over this lane's keys
 };
 
-// One warp iteration: kTiles tiles of 16 keys starting at ts0. `after_qk()` runs once the keys and key norms
-// of `tiles` have been consumed (the caller refills them there); only values and value norms are read after it.
-template <int D, int W, bool F16PV, int MODE, class AfterQK>
-__device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&tiles)[Traits<D, W>::kTiles],
-                                              const u32 (&qf)[Traits<D>::kSteps][2], const Lut& lut_k,
-                                              const Lut& lut_v, int ts0, int end,
-                                              float scale_log2, int g, AfterQK after_qk) {
+// The three stages of one warp iteration over kTiles tiles of 16 keys starting at ts0:
+//   tile_scores    S^T = K Q^T on tensor cores, scaled by the key norms (log2 domain), keys at or past `end` -inf
+//   update_max     the running max per head column; the accumulators are rescaled only when it moves
+//   accumulate_pv  P = exp2(S - mu), l += P, O^T += V^T (P * value norms)^T on tensor cores
+// (Version 6 ran accumulate_pv of chunk c and tile_scores of chunk c + W in one basic block, so the two lookup ->
+// mma chains could overlap: 5-12 % slower on the H200, docs/kernels_decode.md.)
+template <int D, int W, int MODE>
+__device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][4],
+                                            const Tile<D> (&tiles)[Traits<D, W>::kTiles],
+                                            const u32 (&qf)[Traits<D>::kSteps][2], const Lut& lut_k, int ts0,
+                                            int end, float scale_log2, int g) {
   using T = Traits<D, W>;
-  float s[T::kTiles][4];
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
     // kQKChains accumulators (k-steps round-robin) shorten the dependent mma chain.
@@ -397,19 +400,16 @@ __device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&
       for (int a = 1; a < kQKChains; ++a) s[j][i] += acc_qk[a][i];
     }
     const float k0 = tiles[j].kn[0] * scale_log2, k1 = tiles[j].kn[1] * scale_log2;
-    s[j][0] *= k0;
-    s[j][1] *= k0;
-    s[j][2] *= k1;
-    s[j][3] *= k1;
+    float b0 = 0.f, b1 = 0.f;
     if constexpr (MODE == kContiguousBias) {
-      const float b0 = tiles[j].bias[0] * kLog2e, b1 = tiles[j].bias[1] * kLog2e;
-      s[j][0] += b0;
-      s[j][1] += b0;
-      s[j][2] += b1;
-      s[j][3] += b1;
+      b0 = tiles[j].bias[0] * kLog2e;
+      b1 = tiles[j].bias[1] * kLog2e;
     }
+    s[j][0] = fmaf(s[j][0], k0, b0);
+    s[j][1] = fmaf(s[j][1], k0, b0);
+    s[j][2] = fmaf(s[j][2], k1, b1);
+    s[j][3] = fmaf(s[j][3], k1, b1);
   }
-  after_qk();
   if (ts0 + T::kChunk > end) {  // only the last iteration of a split has keys past its end
 #pragma unroll
     for (int j = 0; j < T::kTiles; ++j) {
@@ -417,6 +417,11 @@ __device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&
       if (ts0 + 16 * j + g + 8 >= end) s[j][2] = s[j][3] = -inf();
     }
   }
+}
+
+template <int D, int W>
+__device__ __forceinline__ void update_max(WarpState<D>& st, const float (&s)[Traits<D, W>::kTiles][4]) {
+  using T = Traits<D, W>;
   float mx0 = fmaxf(s[0][0], s[0][2]), mx1 = fmaxf(s[0][1], s[0][3]);
 #pragma unroll
   for (int j = 1; j < T::kTiles; ++j) {
@@ -450,6 +455,12 @@ __device__ __forceinline__ void process_chunk(WarpState<D>& st, const Tile<D> (&
       st.acc[m][3] *= al1;
     }
   }
+}
+
+template <int D, int W, bool F16PV>
+__device__ __forceinline__ void accumulate_pv(WarpState<D>& st, const float (&s)[Traits<D, W>::kTiles][4],
+                                              const Tile<D> (&tiles)[Traits<D, W>::kTiles], const Lut& lut_v) {
+  using T = Traits<D, W>;
   const float mu0 = st.mu[0], mu1 = st.mu[1];
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
@@ -597,17 +608,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     return;
   }
 
-  // Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
-  // (16-byte stores fill 4 lanes' copies).
-  const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFFFFu;  // low bits: CTA window
-  if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
-  unsigned char* const table = smem + (kLutWindow - window);
-  for (int i = tid; i < 2 * 256 * 8; i += kThreads) {
-    const int tab = i >> 11, e = (i >> 3) & 255, grp = i & 7;
-    const u32 val = tab ? pack2<F16PV>(v_cent[e >> 4], v_cent[e & 15]) : pack2<true>(k_cent[e >> 4], k_cent[e & 15]);
-    *reinterpret_cast<uint4*>(table + e * 256 + tab * 128 + grp * 16) = make_uint4(val, val, val, val);
-  }
-
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   KVAddress<D, MODE> kv;
@@ -680,17 +680,29 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   st.mu[0] = st.mu[1] = 0.f;
   st.l[0] = st.l[1] = 0.f;
 
-  __syncthreads();  // tables and pages are ready
+  // Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
+  // (16-byte stores fill 4 lanes' copies). (Issuing the first tile loads before the build measured no faster.)
+  auto build_tables = [&]() {
+    const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFFFFu;  // low bits: CTA window
+    if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
+    unsigned char* const table = smem + (kLutWindow - window);
+    for (int i = tid; i < 2 * 256 * 8; i += kThreads) {
+      const int tab = i >> 11, e = (i >> 3) & 255, grp = i & 7;
+      const u32 val = tab ? pack2<F16PV>(v_cent[e >> 4], v_cent[e & 15]) : pack2<true>(k_cent[e >> 4], k_cent[e & 15]);
+      *reinterpret_cast<uint4*>(table + e * 256 + tab * 128 + grp * 16) = make_uint4(val, val, val, val);
+    }
+  };
 
   const Lut lut_k(lane, 0);
   const Lut lut_v(lane, 1);
   const int last = s1 - 1;
   const int nchunks = (s1 - s0 + T::kChunk - 1) / T::kChunk;
-  Tile<D> bufa[T::kTiles], bufb[T::kTiles];
-
-  // Warps take chunks round-robin, with the registers of two chunks (bufa, bufb) swapping roles (the loop is
-  // unrolled twice, so no copies). Chunk c + (1 + prefetch) * kWarps is prefetched into L2, which keeps more bytes
-  // per warp in flight without registers.
+  // Warps take chunks round-robin, with the registers of two chunks swapping roles (each loop iteration runs two
+  // steps with the buffers exchanged, so no copies). Beyond the chunks held in registers, `prefetch` more chunks
+  // per warp are prefetched into L2, which keeps more bytes in flight without registers.
+  int c = warp;
+  auto tile_at = [&](int chunk, int j) { return s0 + chunk * T::kChunk + 16 * j; };
+  // Each step scores chunk c, updates the max and accumulates its PV.
   //  * Contiguous layouts (kSplitLoads): the values of chunk c + kWarps are loaded when chunk c starts, its keys
   //    one iteration earlier, right after chunk c - kWarps's keys were consumed (its QK mma), into the registers
   //    they freed. Keys, which an iteration needs first, and values both get ~1.5 iterations to arrive.
@@ -699,51 +711,40 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   //    faster on the contiguous layout.
   constexpr bool kSplitLoads = MODE != kPaged;
   constexpr int kAhead = kSplitLoads ? kPartV : kPartKV;  // what is loaded for chunk c + kWarps when c starts
-  int c = warp;
+  Tile<D> bufa[T::kTiles], bufb[T::kTiles];
+  build_tables();
+  __syncthreads();  // tables and pages are ready
   for (int i = 1; i <= prefetch; ++i) {
-    const int cp = c + i * kWarps;
-    if (cp < nchunks) kv.prefetch_chunk(s0 + cp * T::kChunk, last, T::kChunk);
+    if (c + i * kWarps < nchunks) kv.prefetch_chunk(tile_at(c + i * kWarps, 0), last, T::kChunk);
   }
   if (c < nchunks) {
 #pragma unroll
-    for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartKV>(bufa[j], s0 + c * T::kChunk + 16 * j, last);
+    for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartKV>(bufa[j], tile_at(c, j), last);
   }
   if (kSplitLoads && c + kWarps < nchunks) {
 #pragma unroll
-    for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], s0 + (c + kWarps) * T::kChunk + 16 * j, last);
+    for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], tile_at(c + kWarps, j), last);
   }
-  while (c < nchunks) {
-    int cn = c + kWarps;
+  auto step = [&](Tile<D>(&cur)[T::kTiles], Tile<D>(&nxt)[T::kTiles]) {
+    const int cn = c + kWarps, ck = c + 2 * kWarps;
     if (cn < nchunks) {
 #pragma unroll
-      for (int j = 0; j < T::kTiles; ++j) kv.template load<kAhead>(bufb[j], s0 + cn * T::kChunk + 16 * j, last);
+      for (int j = 0; j < T::kTiles; ++j) kv.template load<kAhead>(nxt[j], tile_at(cn, j), last);
     }
-    int cp = c + (prefetch + 1) * kWarps;
-    if (prefetch > 0 && cp < nchunks) kv.prefetch_chunk(s0 + cp * T::kChunk, last, T::kChunk);
-    process_chunk<D, W, F16PV, MODE>(st, bufa, qf, lut_k, lut_v, s0 + c * T::kChunk, s1, scale_log2, g, [&]() {
-      const int ck = c + 2 * kWarps;
-      if (kSplitLoads && ck < nchunks) {
+    if (prefetch > 0 && cn + prefetch * kWarps < nchunks)
+      kv.prefetch_chunk(tile_at(cn + prefetch * kWarps, 0), last, T::kChunk);
+    float s[T::kTiles][4];
+    tile_scores<D, W, MODE>(s, cur, qf, lut_k, tile_at(c, 0), s1, scale_log2, g);
+    if (kSplitLoads && ck < nchunks) {
 #pragma unroll
-        for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufa[j], s0 + ck * T::kChunk + 16 * j, last);
-      }
-    });
-    c = cn;
-    if (c >= nchunks) break;
-    cn = c + kWarps;
-    if (cn < nchunks) {
-#pragma unroll
-      for (int j = 0; j < T::kTiles; ++j) kv.template load<kAhead>(bufa[j], s0 + cn * T::kChunk + 16 * j, last);
+      for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(cur[j], tile_at(ck, j), last);
     }
-    cp = c + (prefetch + 1) * kWarps;
-    if (prefetch > 0 && cp < nchunks) kv.prefetch_chunk(s0 + cp * T::kChunk, last, T::kChunk);
-    process_chunk<D, W, F16PV, MODE>(st, bufb, qf, lut_k, lut_v, s0 + c * T::kChunk, s1, scale_log2, g, [&]() {
-      const int ck = c + 2 * kWarps;
-      if (kSplitLoads && ck < nchunks) {
-#pragma unroll
-        for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], s0 + ck * T::kChunk + 16 * j, last);
-      }
-    });
+    update_max<D, W>(st, s);
+    accumulate_pv<D, W, F16PV>(st, s, cur, lut_v);
     c = cn;
+    return c < nchunks;
+  };
+  while (c < nchunks && step(bufa, bufb) && step(bufb, bufa)) {
   }
 
   // Denominators: sum the lane partials over the 8 lanes of each head column.

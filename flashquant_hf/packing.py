@@ -49,6 +49,12 @@ def unpack_indices(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tens
         )
     if bits == 4 and head_dim % 2 == 0:
         return torch.stack([packed >> 4, packed & 15], dim=-1).flatten(-2).long()
+    if head_dim % 8 == 0:  # 8 indices fill exactly `bits` bytes: one integer word per group, then shifts
+        groups = packed.unflatten(-1, (head_dim // 8, bits)).to(torch.int32)
+        byte_shifts = 8 * torch.arange(bits - 1, -1, -1, device=packed.device, dtype=torch.int32)
+        words = (groups << byte_shifts).sum(-1, dtype=torch.int32)
+        index_shifts = bits * torch.arange(7, -1, -1, device=packed.device, dtype=torch.int32)
+        return ((words.unsqueeze(-1) >> index_shifts) & ((1 << bits) - 1)).flatten(-2).long()
     shifts = torch.arange(7, -1, -1, device=packed.device, dtype=torch.uint8)
     stream = ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., : head_dim * bits]
     weights = 1 << torch.arange(bits - 1, -1, -1, device=packed.device)

@@ -24,6 +24,7 @@ import torch
 from ..codebook import SUPPORTED_BITS
 from ..packing import packed_size
 from . import loader
+from .checks import check_tensor
 from .loader import device_index
 
 logger = logging.getLogger(__name__)
@@ -144,28 +145,6 @@ def collapse_rows(shape: Sequence[int], *strides: Sequence[int], max_dims: int =
         return None
     merged = [(1, [0] * len(strides))] * (max_dims - len(merged)) + merged
     return [m[0] for m in merged], [[m[1][k] for m in merged] for k in range(len(strides))]
-
-
-def check_tensor(
-    name: str,
-    t: object,
-    device: torch.device | None = None,
-    dtypes: Sequence[torch.dtype] | None = None,
-    shape: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Raise a TypeError/ValueError naming ``name`` unless ``t`` is a CUDA tensor on ``device`` with ``dtypes``/``shape``."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cuda:
-        raise ValueError(f"`{name}` must be a CUDA tensor for the CUDA kernel, got a tensor on {t.device}")
-    if device is not None and t.device != device:
-        raise ValueError(f"`{name}` must be on {device} (like the input), got {t.device}")
-    if dtypes is not None and t.dtype not in dtypes:
-        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise ValueError(f"`{name}` must have dtype {allowed}; got {str(t.dtype).replace('torch.', '')}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"`{name}` must have shape {list(shape)}, got {list(t.shape)}")
-    return t
 
 
 def check_bits(bits: object) -> int:

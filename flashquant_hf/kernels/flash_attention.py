@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import loader
+from . import checks, loader
 
 CUDA_SOURCE = "flash_attention.cu"
 HEAD_DIMS = (64, 128, 256)
@@ -109,26 +109,17 @@ def as_aligned(t: torch.Tensor, align: int = 16) -> torch.Tensor:
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_cuda:
-            raise ValueError(f"`{name}` must be on a CUDA device, got {t.device}")
-        if t.dtype not in DTYPES:
-            raise TypeError(f"`{name}` must be float16 or bfloat16, got {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"`{name}` must have 4 dimensions, got shape {list(t.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"`q`, `k` and `v` must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"`q`, `k` and `v` must share a device, got {q.device}, {k.device}, {v.device}")
+        checks.check_tensor(name, t)
+        checks.check_dtype(name, t, tuple(DTYPES), error=TypeError)
+        checks.check_rank(name, t, ("B", "H", "L", "D"))
+    checks.check_same_dtype({"q": q, "k": k, "v": v}, error=TypeError)
+    checks.check_same_device({"q": q, "k": k, "v": v})
     batch, q_heads, _, head_dim = q.shape
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim} (`q` shape {list(q.shape)})")
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    expected = [batch, kv_heads, kv_len, head_dim]
     for name, t in (("k", k), ("v", v)):
-        if list(t.shape) != expected:
-            raise ValueError(f"`{name}` must have shape [B, H_kv, N, D] = {expected}, got {list(t.shape)}")
+        checks.check_shape(name, t, (batch, kv_heads, kv_len, head_dim), ("B", "H_kv", "N", "D"))
     check_heads_grid_scale("q", batch, q_heads, kv_heads, scale)
 
 

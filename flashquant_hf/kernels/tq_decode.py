@@ -11,6 +11,7 @@ import math
 import numpy as np
 import torch
 
+from . import checks
 from .paged_decode import (
     HEADS_PER_CTA,
     HEAD_DIMS,
@@ -33,20 +34,12 @@ NAME_EXPRESSIONS: tuple[str, ...] = tuple(
 )
 
 
-def _check_layout(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                  vector: bool) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
-        got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"`{name}` must be {dtype} of shape {list(shape)}, got {got}")
-    if t.device != device:
-        raise ValueError(f"`{name}` must be on {device}, got {t.device}")
-    # 16-byte lane loads: the rows must start 16-byte aligned (size-1 dimensions never move the address).
-    misaligned = any(s % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
-    if vector and (t.stride(-1) != 1 or t.data_ptr() % 16 or misaligned):
-        raise ValueError(
-            f"`{name}` needs a contiguous last dimension and 16-byte aligned rows (address and strides), "
-            f"got strides {t.stride()} at address % 16 = {t.data_ptr() % 16}"
-        )
+def _check_cache_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple, device: torch.device,
+                        vector: bool) -> None:
+    checks.check_layout(name, t, dtype, shape)
+    checks.check_device(name, t, device, like="`q_rot`")
+    if vector:  # 16-byte lane loads
+        checks.check_aligned_rows(name, t, 16)
 
 
 def _check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, key_bias) -> None:
@@ -54,19 +47,16 @@ def _check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, key_bias) 
     batch, q_heads, q_len, head_dim = q_rot.shape
     if q_len != 1:
         raise ValueError(f"`q_rot` must hold one query token per sequence (Lq = 1), got Lq = {q_len}")
-    if not isinstance(k_packed, torch.Tensor) or k_packed.dim() != 4:
-        raise ValueError(f"`k_packed` must be uint8 of shape [B, H_kv, N, {head_dim // 2}], got "
-                         f"{getattr(k_packed, 'shape', type(k_packed).__name__)}")
-    kv_heads, num_keys = int(k_packed.shape[1]), int(k_packed.shape[2])
     dev = q_rot.device
-    _check_layout("k_packed", k_packed, (batch, kv_heads, num_keys, head_dim // 2), torch.uint8, dev, True)
-    _check_layout("v_packed", v_packed, (batch, kv_heads, num_keys, head_dim // 2), torch.uint8, dev, True)
-    _check_layout("k_norms", k_norms, (batch, kv_heads, num_keys), torch.float32, dev, False)
-    _check_layout("v_norms", v_norms, (batch, kv_heads, num_keys), torch.float32, dev, False)
+    _check_cache_tensor("k_packed", k_packed, torch.uint8, (batch, "H_kv", "N", head_dim // 2), dev, True)
+    kv_heads, num_keys = int(k_packed.shape[1]), int(k_packed.shape[2])
+    _check_cache_tensor("v_packed", v_packed, torch.uint8, (batch, kv_heads, num_keys, head_dim // 2), dev, True)
+    _check_cache_tensor("k_norms", k_norms, torch.float32, (batch, kv_heads, num_keys), dev, False)
+    _check_cache_tensor("v_norms", v_norms, torch.float32, (batch, kv_heads, num_keys), dev, False)
     if q_heads % kv_heads:
         raise ValueError(f"`q_rot` heads ({q_heads}) must be a multiple of the KV heads ({kv_heads})")
     if key_bias is not None:
-        _check_layout("key_bias", key_bias, (batch, num_keys), torch.float32, dev, False)
+        _check_cache_tensor("key_bias", key_bias, torch.float32, (batch, num_keys), dev, False)
 
 
 def tq_decode(

@@ -4,8 +4,8 @@ FlashAttention-2 with the K/V tiles decompressed inside the tile loop (``cuda/fu
 bytes and norms go HBM -> shared memory, centroids are looked up into bf16 tiles there, and the tensor cores
 take it from there; no full-precision K/V is written anywhere. Queries are converted to bf16 for the mma.
 When the (row block x KV head x batch) grid cannot fill the GPU, the keys are split across CTAs and the
-partial results merged by log-sum-exp in one small kernel (:func:`merge_splits`, the math of
-:func:`flashquant_hf.reference.split_k.merge_partials`).
+partial results merged by log-sum-exp with the decode path's merge kernel (``cuda/split_k_reduce.cu``, see
+:mod:`flashquant_hf.kernels.split_k`; :func:`merge_splits` launches it on its own).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import numpy as np
 import torch
 
-from . import loader
+from . import checks, loader, split_k
 from .flash_attention import MAX_GRID_YZ, TileConfig, aligned_rows, as_aligned, check_heads_grid_scale
 
 CUDA_SOURCE = "fused_tq_attention.cu"
@@ -51,7 +51,7 @@ CANDIDATE_CONFIGS: dict[int, tuple[TileConfig, ...]] = {
     ),
 }
 CLUSTER_MIN_CAPABILITY = (9, 0)
-MERGE_ROWS_PER_CTA = 8  # fused_tq_merge_splits: one warp per row, 256 threads
+MERGE_THREADS = 32 * split_k.ROWS_PER_BLOCK  # split_k_merge (cuda/split_k_reduce.cu): one warp per row
 _DEFAULTS: dict[tuple[int, int], TileConfig] = {}  # (device index, head_dim) -> default_config
 
 
@@ -83,8 +83,9 @@ def fallback_config(head_dim: int) -> TileConfig:
 
 
 def merge_name_expression(head_dim: int) -> str:
-    """C++ name of the split-merge kernel for ``head_dim``."""
-    return f"fused_tq_merge_splits<{head_dim}>"
+    """C++ name of the split-merge kernel for ``head_dim``, in ``split_k.CUDA_SOURCE`` (whose ``NAME_EXPRESSIONS``
+    hold it; 0 is its generic head_dim loop)."""
+    return f"fqr::split_k_merge<{head_dim if head_dim in split_k.VECTOR_HEAD_DIMS else 0}>"
 
 
 NAME_EXPRESSIONS: tuple[str, ...] = tuple(
@@ -92,7 +93,6 @@ NAME_EXPRESSIONS: tuple[str, ...] = tuple(
         [name_expression(d, kb, vb, c) for d in HEAD_DIMS for kb in KERNEL_BITS for vb in KERNEL_BITS
          for c in (DEFAULT_CONFIGS[d], fallback_config(d))]
         + [name_expression(d, 4, 4, c) for d, configs in CANDIDATE_CONFIGS.items() for c in configs]
-        + [merge_name_expression(d) for d in HEAD_DIMS]
     )
 )
 
@@ -163,44 +163,34 @@ def _packed_vector(t: torch.Tensor, head_dim: int, bits: int) -> tuple[torch.Ten
     return t, next(vec for vec in (16, 8, 4) if part % vec == 0)
 
 
-def _check_tensor(name: str, t, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype or tuple(t.shape) != shape:
-        raise ValueError(f"`{name}` must be {dtype} of shape {list(shape)}, got {t.dtype} {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"`{name}` must be on {device}, got {t.device}")
-
-
 def _check_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
                   key_bias) -> None:
-    if not isinstance(q_rot, torch.Tensor):
-        raise TypeError(f"`q_rot` must be a torch.Tensor, got {type(q_rot).__name__}")
-    if not q_rot.is_cuda:
-        raise ValueError(f"`q_rot` must be on a CUDA device, got {q_rot.device}")
-    if q_rot.dtype not in QUERY_DTYPES:
-        raise TypeError(f"`q_rot` must be one of {QUERY_DTYPES}, got {q_rot.dtype}")
-    if q_rot.dim() != 4:
-        raise ValueError(f"`q_rot` must have shape [B, Hq, Lq, D], got {list(q_rot.shape)}")
+    checks.check_tensor("q_rot", q_rot)
+    checks.check_dtype("q_rot", q_rot, QUERY_DTYPES, error=TypeError)
+    checks.check_rank("q_rot", q_rot, ("B", "Hq", "Lq", "D"))
     batch, q_heads, _, head_dim = q_rot.shape
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim} (`q_rot` shape {list(q_rot.shape)})")
     for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
         if bits not in KERNEL_BITS:
             raise ValueError(f"`{name}` must be one of {KERNEL_BITS} for the CUDA kernel, got {bits!r}")
-    if not isinstance(k_packed, torch.Tensor) or k_packed.dim() != 4:
-        raise ValueError(f"`k_packed` must be uint8 of shape [B, H_kv, N, {packed_bytes(head_dim, k_bits)}], got "
-                         f"{getattr(k_packed, 'shape', type(k_packed).__name__)}")
+    # k_packed fixes H_kv and N for the others (a non-tensor here raises ValueError, as it always did).
+    checks.check_layout("k_packed", k_packed, torch.uint8, (batch, "H_kv", "N", packed_bytes(head_dim, k_bits)))
     kv_heads, kv_len = int(k_packed.shape[1]), int(k_packed.shape[2])
-    dev = q_rot.device
-    _check_tensor("k_packed", k_packed, (batch, kv_heads, kv_len, packed_bytes(head_dim, k_bits)), torch.uint8, dev)
-    _check_tensor("v_packed", v_packed, (batch, kv_heads, kv_len, packed_bytes(head_dim, v_bits)), torch.uint8, dev)
-    _check_tensor("k_norms", k_norms, (batch, kv_heads, kv_len), torch.float32, dev)
-    _check_tensor("v_norms", v_norms, (batch, kv_heads, kv_len), torch.float32, dev)
-    _check_tensor("k_centroids", k_centroids, (1 << k_bits,), torch.float32, dev)
-    _check_tensor("v_centroids", v_centroids, (1 << v_bits,), torch.float32, dev)
+    expected = {
+        "k_packed": (k_packed, torch.uint8, (batch, kv_heads, kv_len, packed_bytes(head_dim, k_bits))),
+        "v_packed": (v_packed, torch.uint8, (batch, kv_heads, kv_len, packed_bytes(head_dim, v_bits))),
+        "k_norms": (k_norms, torch.float32, (batch, kv_heads, kv_len)),
+        "v_norms": (v_norms, torch.float32, (batch, kv_heads, kv_len)),
+        "k_centroids": (k_centroids, torch.float32, (1 << k_bits,)),
+        "v_centroids": (v_centroids, torch.float32, (1 << v_bits,)),
+    }
     if key_bias is not None:
-        _check_tensor("key_bias", key_bias, (batch, kv_len), torch.float32, dev)
+        expected["key_bias"] = (key_bias, torch.float32, (batch, kv_len))
+    for name, (t, dtype, shape) in expected.items():
+        checks.check_is_tensor(name, t)
+        checks.check_layout(name, t, dtype, shape)
+        checks.check_device(name, t, q_rot.device, like="`q_rot`")
     check_heads_grid_scale("q_rot", batch, q_heads, kv_heads, scale)
 
 
@@ -225,10 +215,10 @@ class _Plan:
     index: int
     device: torch.device
     out_shape: tuple[int, ...]  # [B, Hq, Lq, D]
-    merge: object
+    merge: object  # split_k_merge for splits > 1, else None
     merge_ptr: int
     merge_grid: tuple[int, int, int]
-    rows: int
+    rows: int  # B * Hq * Lq
 
 
 _PLANS: dict[tuple, tuple[_Plan, bool]] = {}  # signature -> (plan, whether inputs of this signature were validated)
@@ -278,12 +268,11 @@ def _make_plan(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, scal
         *bias_strides, np.float32(float(scale) * math.log2(math.e)), i32(bool(causal)),
     )
     rows = batch * q_heads * q_len
-    merge = loader.get_kernel(CUDA_SOURCE, merge_name_expression(head_dim), device) if splits > 1 else None
+    merge, merge_ptr = _merge_kernel(head_dim, index) if splits > 1 else (None, 0)
     plan = _Plan(
         kernel, loader.function_ptr(kernel, index), (grid_row_blocks(q_len, group, config), kv_heads, batch * splits),
         config.threads, shared_bytes(head_dim, k_bits, v_bits, config), scalars, splits, q is not q_rot, index,
-        device, (batch, q_heads, q_len, head_dim), merge, loader.function_ptr(merge, index),
-        (-(-rows // MERGE_ROWS_PER_CTA), 1, 1), rows,
+        device, (batch, q_heads, q_len, head_dim), merge, merge_ptr, _merge_grid(rows), rows,
     )
     copied = kp is not k_packed or vp is not v_packed
     return (None if copied else plan), (plan, q, kp, vp)
@@ -384,8 +373,8 @@ def _splits(index: int, batch: int, q_heads: int, q_len: int, head_dim: int, kv_
 
 def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor | None = None,
                  lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-sum-exp merge of the partial results of :func:`launch_tq_prefill` in one kernel (the same math as
-    :func:`flashquant_hf.reference.split_k.merge_partials`).
+    """Log-sum-exp merge of the partial results of :func:`launch_tq_prefill` in one launch of the split-K merge
+    kernel (``cuda/split_k_reduce.cu``; the math of :func:`flashquant_hf.reference.split_k.merge_partials`).
 
     Parameters
     ----------
@@ -408,15 +397,30 @@ def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Te
         return out, lse
     index = loader.device_index(dev)
     kernel, kernel_ptr = _merge_kernel(head_dim, index)
-    loader.launch_cached(kernel, kernel_ptr, (-(-rows // MERGE_ROWS_PER_CTA), 1, 1), 32 * MERGE_ROWS_PER_CTA,
-                         (out_parts, lse_parts, out, lse, splits, np.int64(rows)), index, 0, FAST_LAUNCH)
+    loader.launch_cached(kernel, kernel_ptr, _merge_grid(rows), MERGE_THREADS,
+                         _merge_args(out_parts, lse_parts, out, lse, splits, rows, head_dim), index, 0, FAST_LAUNCH)
     return out, lse
 
 
 @functools.cache
 def _merge_kernel(head_dim: int, index: int) -> tuple[object, int]:
-    kernel = loader.get_kernel(CUDA_SOURCE, merge_name_expression(head_dim), torch.device("cuda", index))
+    """split_k_merge for ``head_dim`` and its CUfunction (the decode path's merge: one compiled module)."""
+    kernel = loader.get_kernel(split_k.CUDA_SOURCE, merge_name_expression(head_dim), torch.device("cuda", index))
     return kernel, loader.function_ptr(kernel, index)
+
+
+def _merge_grid(rows: int) -> tuple[int, int, int]:
+    return (-(-rows // split_k.ROWS_PER_BLOCK), 1, 1)
+
+
+def _merge_args(part_out, part_lse, out, lse, splits: int, rows: int, head_dim: int) -> tuple:
+    """split_k_merge's arguments for the contiguous partials of :func:`launch_tq_prefill` (``part_out`` element
+    (s, r, d) at ``s * rows * D + r * D + d``, ``part_lse`` (s, r) at ``s * rows + r``; pointers or tensors)
+    into contiguous ``out [rows, D]`` and ``lse [rows]``. The same argument types as paged_decode's launch of
+    this kernel: loader.launch_cached keeps one parameter layout per kernel."""
+    i64 = np.int64
+    return (part_out, i64(rows * head_dim), i64(head_dim), part_lse, i64(rows), i64(1), out, lse, splits, rows,
+            head_dim)
 
 
 def tq_prefill_with(
@@ -450,8 +454,9 @@ def _run(config, q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_cen
     parts_ptr = parts.data_ptr()
     part_out, part_lse = np.uint64(parts_ptr), np.uint64(parts_ptr + 4 * plan.splits * rows * head_dim)
     _execute(plan, q, kp, vp, k_norms, v_norms, k_centroids, v_centroids, key_bias, part_out, part_lse)
-    loader.launch_cached(plan.merge, plan.merge_ptr, plan.merge_grid, 32 * MERGE_ROWS_PER_CTA,
-                         (part_out, part_lse, out, lse, plan.splits, np.int64(rows)), plan.index, 0, FAST_LAUNCH)
+    loader.launch_cached(plan.merge, plan.merge_ptr, plan.merge_grid, MERGE_THREADS,
+                         _merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim), plan.index, 0,
+                         FAST_LAUNCH)
     return out, lse
 
 

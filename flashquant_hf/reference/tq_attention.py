@@ -49,10 +49,9 @@ def tq_attention(
     compute = torch.promote_types(q_rot.dtype, torch.float32)
     keys = dequantize_rotated(k_packed, k_norms, k_centroids, k_bits, head_dim).to(compute)
     values = dequantize_rotated(v_packed, v_norms, v_centroids, v_bits, head_dim).to(compute)
-    group = q_heads // kv_heads
-    keys = keys.repeat_interleave(group, dim=1)
-    values = values.repeat_interleave(group, dim=1)
-    scores = (q_rot.to(compute) @ keys.transpose(-1, -2)) * scale
+    # Query heads of one KV head side by side as extra query rows: no repeated copies of the keys and values.
+    q_grouped = q_rot.to(compute).reshape(batch, kv_heads, q_heads // kv_heads * q_len, head_dim)
+    scores = ((q_grouped @ keys.transpose(-1, -2)) * scale).view(batch, q_heads, q_len, kv_len)
     if causal:
         scores = scores.masked_fill(~causal_keep(q_len, kv_len, scores.device), float("-inf"))
     if key_bias is not None:
@@ -61,5 +60,6 @@ def tq_attention(
     finite = torch.isfinite(lse)
     probs = torch.exp(scores - torch.where(finite, lse, 0).unsqueeze(-1))
     probs = torch.where(finite.unsqueeze(-1), probs, 0)
-    out = probs @ values
+    out = probs.view(batch, kv_heads, q_heads // kv_heads * q_len, kv_len) @ values
+    out = out.view(batch, q_heads, q_len, head_dim)
     return out.float(), lse.float()

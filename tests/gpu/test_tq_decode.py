@@ -191,7 +191,7 @@ def test_tq_decode_validation_errors():
     k, kn, v, vn = random_cache(1, 2, 10, 128)
     c = centroids(128)
     q = torch.randn(1, 4, 1, 128, device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="`k_packed` must be torch.uint8"):
+    with pytest.raises(ValueError, match="`k_packed` must be uint8"):
         tq_decode(q, k.float(), kn, v, vn, c, c, 4, 4, 0.1)
     with pytest.raises(ValueError, match="multiple of the KV heads"):
         tq_decode(q[:, :3], k, kn, v, vn, c, c, 4, 4, 0.1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashquant_hf.codebook import lloyd_max_codebook
-from flashquant_hf.kernels import loader
+from flashquant_hf.kernels import loader, split_k
 from flashquant_hf.kernels import tq_prefill as tqp
 from flashquant_hf.reference.tq_attention import tq_attention as reference
 
@@ -58,11 +58,12 @@ def _compiled():
     names |= {tqp.name_expression(128, 4, 4, c) for c in tqp.CANDIDATE_CONFIGS[128]}
     names |= {tqp.name_expression(128, kb, vb, c) for c in CLUSTER_CONFIGS for kb, vb in CLUSTER_BITS + BITS[128]}
     names |= {tqp.name_expression(128, kb, vb, tqp.fallback_config(128)) for kb, vb in BITS[128]}
-    names |= {tqp.merge_name_expression(d) for d in tqp.HEAD_DIMS}
+    kernels = [(tqp.CUDA_SOURCE, n) for n in sorted(names)]
+    kernels += [(split_k.CUDA_SOURCE, tqp.merge_name_expression(d)) for d in tqp.HEAD_DIMS]  # the split merge
     device = torch.device("cuda", torch.cuda.current_device())
     try:
         with ThreadPoolExecutor(max_workers=16) as pool:
-            list(pool.map(lambda n: loader.get_kernel(tqp.CUDA_SOURCE, n, device), sorted(names)))
+            list(pool.map(lambda k: loader.get_kernel(*k, device), kernels))
     except Exception as error:  # noqa: BLE001 - the tests compile lazily instead and report the real error
         print(f"parallel precompile failed: {error!r}")
 
