@@ -23,11 +23,8 @@ import numpy as np
 import torch
 
 from ..paged import BLOCK_SIZES, PagedLayout
-from . import loader
+from . import checks, loader, split_k
 from .loader import get_kernel
-from .split_k import CUDA_SOURCE as MERGE_SOURCE
-from .split_k import ROWS_PER_BLOCK as MERGE_ROWS_PER_BLOCK
-from .split_k import VECTOR_HEAD_DIMS as MERGE_HEAD_DIMS
 
 CUDA_SOURCE = "paged_decode.cu"
 HEAD_DIMS = (64, 128, 256)
@@ -218,8 +215,7 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_sha
         if FUSED_MERGE:
             tickets = _tickets(index, batch * kv_heads * head_groups)
         else:
-            variant = head_dim if head_dim in MERGE_HEAD_DIMS else 0
-            merge = get_kernel(MERGE_SOURCE, f"fqr::split_k_merge<{variant}>", torch.device("cuda", index))
+            merge = get_kernel(split_k.CUDA_SOURCE, split_k.merge_name(head_dim), torch.device("cuda", index))
     found = _Launch(kernel, merge, loader.function_ptr(kernel, index), loader.function_ptr(merge, index),
                     (plan.splits, kv_heads * head_groups, batch), 32 * warps, plan, part_out, part_lse, tickets,
                     FUSED_MERGE)
@@ -269,20 +265,13 @@ def run_decode(
         args += (out, lse, setup.tickets) if setup.tickets is not None else (NULL, NULL, NULL)
     launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
     if setup.merge is not None:
-        merge_args = (part_out, np.int64(rows * head_dim), np.int64(head_dim), part_lse, np.int64(rows), np.int64(1),
-                      out, lse, plan.splits, rows, head_dim)
-        launch_cached(setup.merge, setup.merge_ptr, (-(-rows // MERGE_ROWS_PER_BLOCK), 1, 1), 32 * MERGE_ROWS_PER_BLOCK,
-                      merge_args, index)
+        launch_cached(setup.merge, setup.merge_ptr, split_k.merge_grid(rows), split_k.MERGE_THREADS,
+                      split_k.contiguous_merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim), index)
 
 
 def check_query(q_rot: torch.Tensor, rank: int, layout: str) -> None:
     """Common checks of the rotated queries (CUDA, dtype, rank, head_dim)."""
-    if not isinstance(q_rot, torch.Tensor):
-        raise TypeError(f"`q_rot` must be a torch.Tensor, got {type(q_rot).__name__}")
-    if not q_rot.is_cuda:
-        raise ValueError(f"`q_rot` must be on a CUDA device, got {q_rot.device}")
-    if q_rot.dtype not in QUERY_KINDS:
-        raise ValueError(f"`q_rot` must be float16, bfloat16 or float32, got {q_rot.dtype}")
+    checks.check_tensor("q_rot", q_rot, dtypes=tuple(QUERY_KINDS))
     if q_rot.dim() != rank:
         raise ValueError(f"`q_rot` must have shape {layout}, got {list(q_rot.shape)}")
     if q_rot.shape[-1] not in HEAD_DIMS:
@@ -298,11 +287,10 @@ def check_codebooks(k_centroids: torch.Tensor, v_centroids: torch.Tensor, k_bits
             "use the PyTorch reference (FLASHQUANT_BACKEND=torch) for other bit widths"
         )
     for name, c in (("k_centroids", k_centroids), ("v_centroids", v_centroids)):
-        if not isinstance(c, torch.Tensor) or c.dtype != torch.float32 or tuple(c.shape) != (16,) or not c.is_contiguous():
-            got = f"{c.dtype} {list(c.shape)}" if isinstance(c, torch.Tensor) else type(c).__name__
-            raise ValueError(f"`{name}` must be a contiguous float32 tensor of shape [16], got {got}")
-        if c.device != device:
-            raise ValueError(f"`{name}` must be on {device}, got {c.device}")
+        checks.check_layout(name, c, torch.float32, (16,))
+        if not c.is_contiguous():
+            raise ValueError(f"`{name}` must be contiguous, got strides {c.stride()}")
+        checks.check_device(name, c, device, like="`q_rot`")
 
 
 def _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size) -> PagedLayout:

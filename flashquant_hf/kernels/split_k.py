@@ -5,38 +5,57 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import checks
 from .loader import get_kernel, launch
 
 CUDA_SOURCE = "split_k_reduce.cu"
 VECTOR_HEAD_DIMS = (64, 128, 256)
-NAME_EXPRESSIONS: tuple[str, ...] = tuple(f"fqr::split_k_merge<{d}>" for d in (0,) + VECTOR_HEAD_DIMS)
 ROWS_PER_BLOCK = 8
+MERGE_THREADS = 32 * ROWS_PER_BLOCK  # one warp per row
+
+
+def merge_name(head_dim: int) -> str:
+    """Name expression of the merge for ``head_dim`` (0: the generic head_dim loop)."""
+    return f"fqr::split_k_merge<{head_dim if head_dim in VECTOR_HEAD_DIMS else 0}>"
+
+
+def merge_grid(rows: int) -> tuple[int, int, int]:
+    """Grid of one merge launch over ``rows`` rows."""
+    return (-(-rows // ROWS_PER_BLOCK), 1, 1)
+
+
+def contiguous_merge_args(part_out, part_lse, out, lse, splits: int, rows: int, head_dim: int) -> tuple:
+    """Kernel arguments merging contiguous partials (``part_out`` element (s, r, d) at ``(s * rows + r) * D + d``,
+    ``part_lse`` (s, r) at ``s * rows + r``; tensors or raw pointers) into contiguous ``out [rows, D]`` and
+    ``lse [rows]``. The decode and prefill wrappers both launch through this, so the argument types, which
+    ``loader.launch_cached`` lays out once per kernel, are the same for every caller."""
+    i64 = np.int64
+    return (part_out, i64(rows * head_dim), i64(head_dim), part_lse, i64(rows), i64(1), out, lse, splits, rows,
+            head_dim)
+
+
+NAME_EXPRESSIONS: tuple[str, ...] = tuple(merge_name(d) for d in (0,) + VECTOR_HEAD_DIMS)
 
 
 def _check_merge_inputs(outs: torch.Tensor, lses: torch.Tensor) -> None:
     for name, t in (("outs", outs), ("lses", lses)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_cuda:
-            raise ValueError(f"`{name}` must be on a CUDA device, got {t.device}")
+        checks.check_tensor(name, t)
         if not t.is_floating_point():
-            raise ValueError(f"`{name}` must be a floating tensor, got {t.dtype}")
+            raise ValueError(f"`{name}` must be a floating tensor, got {checks.dtype_name(t.dtype)}")
     if outs.dim() < 2 or tuple(outs.shape[:-1]) != tuple(lses.shape):
         raise ValueError(
             f"`outs` must have shape [S, ..., D] and `lses` [S, ...], got {list(outs.shape)} and {list(lses.shape)}"
         )
-    if outs.device != lses.device:
-        raise ValueError(f"`outs` and `lses` must share a device, got {outs.device} and {lses.device}")
+    checks.check_same_device({"outs": outs, "lses": lses})
 
 
 def launch_merge(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Merge fp32 ``outs [S, rows, D]`` (last dim contiguous, 16-byte aligned rows) and ``lses [S, rows]`` into
     contiguous ``out [rows, D]`` and ``lse [rows]`` (no validation: the decode wrappers call this)."""
     splits, rows, head_dim = outs.shape
-    variant = head_dim if head_dim in VECTOR_HEAD_DIMS else 0
-    kernel = get_kernel(CUDA_SOURCE, f"fqr::split_k_merge<{variant}>", outs.device)
+    kernel = get_kernel(CUDA_SOURCE, merge_name(head_dim), outs.device)
     launch(
-        kernel, (-(-rows // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,),
+        kernel, merge_grid(rows), (MERGE_THREADS,),
         (outs, np.int64(outs.stride(0)), np.int64(outs.stride(1)), lses, np.int64(lses.stride(0)),
          np.int64(lses.stride(1)), out, lse, splits, rows, head_dim),
         outs.device,

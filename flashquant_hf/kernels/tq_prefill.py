@@ -51,7 +51,6 @@ CANDIDATE_CONFIGS: dict[int, tuple[TileConfig, ...]] = {
     ),
 }
 CLUSTER_MIN_CAPABILITY = (9, 0)
-MERGE_THREADS = 32 * split_k.ROWS_PER_BLOCK  # split_k_merge (cuda/split_k_reduce.cu): one warp per row
 _DEFAULTS: dict[tuple[int, int], TileConfig] = {}  # (device index, head_dim) -> default_config
 
 
@@ -80,12 +79,6 @@ def fallback_config(head_dim: int) -> TileConfig:
     """Tiling used for ``head_dim`` on GPUs without thread-block clusters (below sm_90)."""
     config = DEFAULT_CONFIGS[head_dim]
     return FALLBACK_CONFIGS.get(head_dim, dataclasses.replace(config, cluster=0))
-
-
-def merge_name_expression(head_dim: int) -> str:
-    """C++ name of the split-merge kernel for ``head_dim``, in ``split_k.CUDA_SOURCE`` (whose ``NAME_EXPRESSIONS``
-    hold it; 0 is its generic head_dim loop)."""
-    return f"fqr::split_k_merge<{head_dim if head_dim in split_k.VECTOR_HEAD_DIMS else 0}>"
 
 
 NAME_EXPRESSIONS: tuple[str, ...] = tuple(
@@ -272,7 +265,7 @@ def _make_plan(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, scal
     plan = _Plan(
         kernel, loader.function_ptr(kernel, index), (grid_row_blocks(q_len, group, config), kv_heads, batch * splits),
         config.threads, shared_bytes(head_dim, k_bits, v_bits, config), scalars, splits, q is not q_rot, index,
-        device, (batch, q_heads, q_len, head_dim), merge, merge_ptr, _merge_grid(rows), rows,
+        device, (batch, q_heads, q_len, head_dim), merge, merge_ptr, split_k.merge_grid(rows), rows,
     )
     copied = kp is not k_packed or vp is not v_packed
     return (None if copied else plan), (plan, q, kp, vp)
@@ -397,30 +390,17 @@ def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Te
         return out, lse
     index = loader.device_index(dev)
     kernel, kernel_ptr = _merge_kernel(head_dim, index)
-    loader.launch_cached(kernel, kernel_ptr, _merge_grid(rows), MERGE_THREADS,
-                         _merge_args(out_parts, lse_parts, out, lse, splits, rows, head_dim), index, 0, FAST_LAUNCH)
+    args = split_k.contiguous_merge_args(out_parts, lse_parts, out, lse, splits, rows, head_dim)
+    loader.launch_cached(kernel, kernel_ptr, split_k.merge_grid(rows), split_k.MERGE_THREADS, args, index, 0,
+                         FAST_LAUNCH)
     return out, lse
 
 
 @functools.cache
 def _merge_kernel(head_dim: int, index: int) -> tuple[object, int]:
     """split_k_merge for ``head_dim`` and its CUfunction (the decode path's merge: one compiled module)."""
-    kernel = loader.get_kernel(split_k.CUDA_SOURCE, merge_name_expression(head_dim), torch.device("cuda", index))
+    kernel = loader.get_kernel(split_k.CUDA_SOURCE, split_k.merge_name(head_dim), torch.device("cuda", index))
     return kernel, loader.function_ptr(kernel, index)
-
-
-def _merge_grid(rows: int) -> tuple[int, int, int]:
-    return (-(-rows // split_k.ROWS_PER_BLOCK), 1, 1)
-
-
-def _merge_args(part_out, part_lse, out, lse, splits: int, rows: int, head_dim: int) -> tuple:
-    """split_k_merge's arguments for the contiguous partials of :func:`launch_tq_prefill` (``part_out`` element
-    (s, r, d) at ``s * rows * D + r * D + d``, ``part_lse`` (s, r) at ``s * rows + r``; pointers or tensors)
-    into contiguous ``out [rows, D]`` and ``lse [rows]``. The same argument types as paged_decode's launch of
-    this kernel: loader.launch_cached keeps one parameter layout per kernel."""
-    i64 = np.int64
-    return (part_out, i64(rows * head_dim), i64(head_dim), part_lse, i64(rows), i64(1), out, lse, splits, rows,
-            head_dim)
 
 
 def tq_prefill_with(
@@ -454,8 +434,8 @@ def _run(config, q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_cen
     parts_ptr = parts.data_ptr()
     part_out, part_lse = np.uint64(parts_ptr), np.uint64(parts_ptr + 4 * plan.splits * rows * head_dim)
     _execute(plan, q, kp, vp, k_norms, v_norms, k_centroids, v_centroids, key_bias, part_out, part_lse)
-    loader.launch_cached(plan.merge, plan.merge_ptr, plan.merge_grid, MERGE_THREADS,
-                         _merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim), plan.index, 0,
+    args = split_k.contiguous_merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim)
+    loader.launch_cached(plan.merge, plan.merge_ptr, plan.merge_grid, split_k.MERGE_THREADS, args, plan.index, 0,
                          FAST_LAUNCH)
     return out, lse
 

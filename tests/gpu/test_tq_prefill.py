@@ -59,7 +59,7 @@ def _compiled():
     names |= {tqp.name_expression(128, kb, vb, c) for c in CLUSTER_CONFIGS for kb, vb in CLUSTER_BITS + BITS[128]}
     names |= {tqp.name_expression(128, kb, vb, tqp.fallback_config(128)) for kb, vb in BITS[128]}
     kernels = [(tqp.CUDA_SOURCE, n) for n in sorted(names)]
-    kernels += [(split_k.CUDA_SOURCE, tqp.merge_name_expression(d)) for d in tqp.HEAD_DIMS]  # the split merge
+    kernels += [(split_k.CUDA_SOURCE, split_k.merge_name(d)) for d in tqp.HEAD_DIMS]  # the split merge
     device = torch.device("cuda", torch.cuda.current_device())
     try:
         with ThreadPoolExecutor(max_workers=16) as pool:
