@@ -4,14 +4,15 @@ Resolution order for each field: an explicit argument, else its environment vari
 The defaults are the best settings measured so far (SmolLM2-135M, decode-faithful perplexity, prefix 1024,
 1024 scored tokens, 3 rotation seeds; docs/quality.md): TQ4 with a 128-token exact window and norm correction
 +1.47%; adding 4 exact sink tokens and key centring +0.53%; and value centring +0.48% (value centring is on
-for 4-bit values only: at 3 and 2.5 bits it measured worse).
+for 4-bit values only: at 3 and 2.5 bits it measured worse). The 3- and 2.5-bit presets add a longer exact window
+(PRESET_WINDOWS): +1.22% at 4.53x and +3.87% at 5.51x compression at 32K tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .backend import BACKENDS
@@ -20,6 +21,12 @@ from .rotation import ROTATIONS
 
 ENV_PREFIX = "FLASHQUANT_"
 HALF_BITS = (1.5, 2.5, 3.5)  # mixed classes: keys round up, values round down
+# Exact window of a bit class when `residual_length` is not given (else DEFAULT_WINDOW): the low-bit presets spend
+# part of their byte budget on recent tokens (docs/quality.md; 3 seeds x 1024 decode-faithful tokens, SmolLM2):
+# 3 bits, 512 tokens: +1.22% instead of +2.84% (+0.43% instead of +1.61% after a 4096-token prefix), 4.53x instead
+# of 4.73x at 32K tokens; 2.5 bits, 192 tokens: +3.87% instead of +4.26%, 5.51x instead of 5.56x.
+PRESET_WINDOWS: dict[int | float, int] = {3: 512, 2.5: 192}
+DEFAULT_WINDOW = 128
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -59,8 +66,8 @@ class TurboQuantConfig:
     bits : bits per coordinate for keys and values (1..4; default 4), or a half-bit class 1.5 / 2.5 / 3.5, which
         gives keys one bit more than values (2.5 -> keys 3, values 2: keys are the more sensitive tensor)
     key_bits, value_bits : per-tensor overrides of ``bits`` (default: derived from ``bits``)
-    residual_length : the newest tokens kept exact in the model dtype (default 128); 0 (with ``sink_tokens=0``)
-        compresses every token before it is attended
+    residual_length : the newest tokens kept exact in the model dtype (default 128; 512 for ``bits=3``, 192 for
+        ``bits=2.5``); 0 (with ``sink_tokens=0``) compresses every token before it is attended
     sink_tokens : the first tokens of the sequence kept exact forever (default 4)
     key_centering, value_centering : subtract a per-sequence, per-head, per-channel mean (computed on the first
         prefill) before compressing; exact for attention (default: keys always, values when ``value_bits == 4``)
@@ -88,11 +95,15 @@ class TurboQuantConfig:
     rotation: str | None = None
     seed: int | None = None
     backend: str | None = None
+    # Fields that took a value derived from others (bits -> key/value bits, window, value centring); replace()
+    # derives them again from the new settings instead of keeping the old derived value.
+    _derived: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        names = [f.name for f in dataclasses.fields(self)]
+        names = field_names()
         from_env = {name for name in names if getattr(self, name) is None and os.environ.get(env_var(name), "").strip()}
         resolved = {name: _resolve(name, getattr(self, name)) for name in names}
+        object.__setattr__(self, "_derived", frozenset(name for name, value in resolved.items() if value is None))
         bits = resolved["bits"]
         if bits in HALF_BITS:
             derived = (int(bits + 0.5), int(bits - 0.5))
@@ -104,6 +115,8 @@ class TurboQuantConfig:
         if resolved["value_centering"] is None:
             # Measured (docs/quality.md): within noise of helping at 4 bits, +0.2 / +0.7 points at 3 / 2.5 bits.
             resolved["value_centering"] = resolved["value_bits"] == 4
+        if resolved["residual_length"] is None:
+            resolved["residual_length"] = PRESET_WINDOWS.get(bits, DEFAULT_WINDOW)
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
         problem = self._first_problem()
@@ -145,15 +158,13 @@ class TurboQuantConfig:
 
     def replace(self, **overrides: Any) -> "TurboQuantConfig":
         """A copy with ``overrides`` applied (unknown names raise TypeError)."""
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        unknown = sorted(set(overrides) - set(field_names()))
         if unknown:
             raise TypeError(f"unknown TurboQuantConfig field(s) {unknown}; fields are {field_names()}")
-        values = dataclasses.asdict(self)
-        # key/value bits follow a new `bits` unless they are overridden too.
-        if "bits" in overrides:
-            values["key_bits"] = values["value_bits"] = None
-        if {"bits", "value_bits"} & overrides.keys():
-            values["value_centering"] = None  # derived from the value bits again unless overridden too
+        values = {name: getattr(self, name) for name in field_names()}
+        # Derived fields are derived again; key/value bits also follow a new `bits` when they were set.
+        for name in self._derived | ({"key_bits", "value_bits"} if "bits" in overrides else set()):
+            values[name] = None
         values.update(overrides)
         return TurboQuantConfig(**values)
 
@@ -163,7 +174,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], Any]] = {
     "bits": (_parse_bits, 4),
     "key_bits": (_parse_int, None),
     "value_bits": (_parse_int, None),
-    "residual_length": (_parse_int, 128),
+    "residual_length": (_parse_int, None),
     "sink_tokens": (_parse_int, 4),
     "key_centering": (_parse_bool, True),
     "value_centering": (_parse_bool, None),
@@ -181,7 +192,7 @@ def env_var(name: str) -> str:
 
 def field_names() -> list[str]:
     """Names of the TurboQuantConfig fields, in declaration order."""
-    return [f.name for f in dataclasses.fields(TurboQuantConfig)]
+    return [f.name for f in dataclasses.fields(TurboQuantConfig) if f.init]
 
 
 def _resolve(name: str, value: Any) -> Any:

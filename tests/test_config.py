@@ -78,6 +78,25 @@ def test_value_centring_defaults_to_4_bit_values_only(monkeypatch):
     assert TurboQuantConfig(bits=3).value_centering is True
 
 
+def test_window_follows_the_bit_class_unless_set(monkeypatch):
+    assert TurboQuantConfig().residual_length == 128
+    assert TurboQuantConfig(bits=3).residual_length == 512
+    assert TurboQuantConfig(bits=2.5).residual_length == 192
+    assert TurboQuantConfig(bits=2).residual_length == 128
+    assert TurboQuantConfig(bits=3, residual_length=64).residual_length == 64
+    # replace() derives a derived window again, and keeps one that was set
+    assert TurboQuantConfig().replace(bits=3).residual_length == 512
+    assert TurboQuantConfig(bits=3).replace(bits=4).residual_length == 128
+    assert TurboQuantConfig(residual_length=0, sink_tokens=0).replace(bits=3).residual_length == 0
+    monkeypatch.setenv("FLASHQUANT_RESIDUAL_LENGTH", "7")
+    assert TurboQuantConfig(bits=3).residual_length == 7
+
+
+def test_replace_keeps_explicit_value_centring():
+    assert TurboQuantConfig(value_centering=True).replace(bits=3).value_centering is True
+    assert TurboQuantConfig(bits=3).replace(value_bits=4).value_centering is True
+
+
 @pytest.mark.parametrize("bits, key_bits, value_bits", [(1.5, 2, 1), (2.5, 3, 2), (3.5, 4, 3)])
 def test_half_bit_classes_give_keys_one_bit_more(bits, key_bits, value_bits):
     cfg = TurboQuantConfig(bits=bits)

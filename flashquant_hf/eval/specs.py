@@ -59,7 +59,7 @@ def config_fields() -> tuple[str, ...]:
     """Names of the TurboQuantConfig fields a spec may set."""
     config_cls, _ = turboquant_api()
     if dataclasses.is_dataclass(config_cls):
-        return tuple(f.name for f in dataclasses.fields(config_cls))
+        return tuple(f.name for f in dataclasses.fields(config_cls) if f.init)
     params = inspect.signature(config_cls).parameters.values()
     return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
@@ -135,7 +135,7 @@ def make_config(overrides: dict[str, Any], spec_text: str | None = None, **extra
 def config_as_dict(config) -> dict[str, Any]:
     """The fields of a TurboQuantConfig as a JSON-friendly dict."""
     if dataclasses.is_dataclass(config):
-        values = dataclasses.asdict(config)
+        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     else:
         values = {name: getattr(config, name) for name in config_fields() if hasattr(config, name)}
     return {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in values.items()}
