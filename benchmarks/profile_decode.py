@@ -19,8 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_decode import BLOCK_SIZE, HEAD_DIM, KV_HEADS, Q_HEADS, _centroids, _contiguous_set, _paged_sets  # noqa: E402
-from benchmarks.timing import copies_to_exceed_l2  # noqa: E402
+from benchmarks.bench_decode import (  # noqa: E402
+    BLOCK_SIZE, HEAD_DIM, _centroids, _contiguous_query_sets, _paged_sets,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,10 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         _sweep(pd, c, scale, dev, args.sweep_options)
         return
     if args.contiguous:
-        tq_bytes = args.batch * KV_HEADS * args.keys * (HEAD_DIM + 8)
-        sets = [(*_contiguous_set(args.batch, args.keys, dev, seed),
-                 torch.randn(args.batch, Q_HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16))
-                for seed in range(copies_to_exceed_l2(tq_bytes))]
+        sets = _contiguous_query_sets(args.batch, args.keys, dev)
 
         def fn(s):
             return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)
@@ -107,10 +105,7 @@ def _sweep(pd, c, scale, dev, options_list):
     for shape in shapes:
         batch, keys, contiguous = shape
         if contiguous:
-            tq_bytes = batch * KV_HEADS * keys * (HEAD_DIM + 8)
-            sets = [(*_contiguous_set(batch, keys, dev, seed),
-                     torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16))
-                    for seed in range(copies_to_exceed_l2(tq_bytes))]
+            sets = _contiguous_query_sets(batch, keys, dev)
 
             def fn(s):
                 return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)

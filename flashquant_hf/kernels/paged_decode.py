@@ -210,13 +210,14 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_sha
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
     merge = part_out = part_lse = tickets = None
+    merge_ptr = 0
     if plan.splits > 1:
         part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
         if FUSED_MERGE:
             tickets = _tickets(index, batch * kv_heads * head_groups)
         else:
-            merge = get_kernel(split_k.CUDA_SOURCE, split_k.merge_name(head_dim), torch.device("cuda", index))
-    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), loader.function_ptr(merge, index),
+            merge, merge_ptr = split_k.merge_kernel(head_dim, index)
+    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr,
                     (plan.splits, kv_heads * head_groups, batch), 32 * warps, plan, part_out, part_lse, tickets,
                     FUSED_MERGE)
     if len(_LAUNCHES) >= _CACHE_LIMIT:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from . import checks
+from . import loader
 from .loader import get_kernel, launch
 
 CUDA_SOURCE = "split_k_reduce.cu"
@@ -17,6 +20,13 @@ MERGE_THREADS = 32 * ROWS_PER_BLOCK  # one warp per row
 def merge_name(head_dim: int) -> str:
     """Name expression of the merge for ``head_dim`` (0: the generic head_dim loop)."""
     return f"fqr::split_k_merge<{head_dim if head_dim in VECTOR_HEAD_DIMS else 0}>"
+
+
+@functools.cache
+def merge_kernel(head_dim: int, device_index: int) -> tuple[object, int]:
+    """The merge for ``head_dim`` on device ``device_index`` and its CUfunction (for ``loader.launch_cached``)."""
+    kernel = get_kernel(CUDA_SOURCE, merge_name(head_dim), torch.device("cuda", device_index))
+    return kernel, loader.function_ptr(kernel, device_index)
 
 
 def merge_grid(rows: int) -> tuple[int, int, int]:
