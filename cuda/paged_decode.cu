@@ -680,18 +680,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   st.mu[0] = st.mu[1] = 0.f;
   st.l[0] = st.l[1] = 0.f;
 
-  // Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
-  // (16-byte stores fill 4 lanes' copies). (Issuing the first tile loads before the build measured no faster.)
-  auto build_tables = [&]() {
-    const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFFFFu;  // low bits: CTA window
-    if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
-    unsigned char* const table = smem + (kLutWindow - window);
-    for (int i = tid; i < 2 * 256 * 8; i += kThreads) {
-      const int tab = i >> 11, e = (i >> 3) & 255, grp = i & 7;
-      const u32 val = tab ? pack2<F16PV>(v_cent[e >> 4], v_cent[e & 15]) : pack2<true>(k_cent[e >> 4], k_cent[e & 15]);
-      *reinterpret_cast<uint4*>(table + e * 256 + tab * 128 + grp * 16) = make_uint4(val, val, val, val);
-    }
-  };
 
   const Lut lut_k(lane, 0);
   const Lut lut_v(lane, 1);
@@ -712,7 +700,18 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   constexpr bool kSplitLoads = MODE != kPaged;
   constexpr int kAhead = kSplitLoads ? kPartV : kPartKV;  // what is loaded for chunk c + kWarps when c starts
   Tile<D> bufa[T::kTiles], bufb[T::kTiles];
-  build_tables();
+  // Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
+  // (16-byte stores fill 4 lanes' copies). (Issuing the first tile loads before the build measured no faster.)
+  {
+    const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFFFFu;  // low bits: CTA window
+    if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
+    unsigned char* const table = smem + (kLutWindow - window);
+    for (int i = tid; i < 2 * 256 * 8; i += kThreads) {
+      const int tab = i >> 11, e = (i >> 3) & 255, grp = i & 7;
+      const u32 val = tab ? pack2<F16PV>(v_cent[e >> 4], v_cent[e & 15]) : pack2<true>(k_cent[e >> 4], k_cent[e & 15]);
+      *reinterpret_cast<uint4*>(table + e * 256 + tab * 128 + grp * 16) = make_uint4(val, val, val, val);
+    }
+  }
   __syncthreads();  // tables and pages are ready
   for (int i = 1; i <= prefetch; ++i) {
     if (c + i * kWarps < nchunks) kv.prefetch_chunk(tile_at(c + i * kWarps, 0), last, T::kChunk);
