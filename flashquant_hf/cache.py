@@ -12,8 +12,6 @@ layout of docs/ARCHITECTURE.md: ``k_packed [B, H_kv, N_cap, nbytes] uint8``, ``k
 
 from __future__ import annotations
 
-import functools
-import importlib
 import logging
 import math
 import weakref
@@ -24,7 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import ops
-from .backend import resolve_backend
+from .codec import head_codec, split_problem
 from .config import TurboQuantConfig
 from .quantizer import FLOAT_DTYPES, TurboQuantizer
 
@@ -39,26 +37,8 @@ STORE_ROUND = 16  # tokens (keeps every row of the packed layout 16-byte aligned
 WINDOW_SLACK = 64  # extra window capacity: the live range is moved to the front once every 64 tokens
 WINDOW_EAGER = 1024  # windows up to this capacity are allocated at full size at once
 TAG = "_flashquant"  # attribute set on the K/V tensors that update() returns
-
-
-# --------------------------------------------------------------------------------------------- op routing
-def implementation(op: str, backend: str, *tensors: torch.Tensor):
-    """The module running ``op`` for a cache whose config asks for ``backend``.
-
-    ``auto`` defers to :func:`flashquant_hf.ops.implementation` (the one place that picks kernels);
-    ``torch`` pins the reference; ``cuda`` first checks that the kernels can run on ``tensors``.
-    """
-    if backend == "torch":
-        return importlib.import_module(f"flashquant_hf.reference.{op}")
-    if backend == "cuda":
-        resolve_backend(*tensors, requested="cuda")
-    return ops.implementation(op, *tensors)
-
-
-@functools.lru_cache(maxsize=None)
-def quantizer(head_dim: int, bits: int, seed: int, rotation: str, norm_correction: bool) -> TurboQuantizer:
-    """One shared TurboQuantizer per setting, so every layer reuses its rotation and codebook tensors."""
-    return TurboQuantizer(head_dim, bits=bits, seed=seed, rotation=rotation, norm_correction=norm_correction)
+# Per-sequence statistics of a layer, taken on its first prefill: [B, H, D] each, or None when not used.
+SEQUENCE_STATS = ("key_mean", "value_mean", "key_order", "value_order")
 
 
 # --------------------------------------------------------------------------------------------- storage
@@ -271,8 +251,10 @@ class TurboQuantLayer(CacheLayerMixin):
         self.window = TokenBuffer(
             growth=2.0, round_to=16, max_capacity=window_capacity, min_capacity=min(window_capacity, WINDOW_EAGER)
         )
-        self.key_mean: torch.Tensor | None = None
+        self.key_mean: torch.Tensor | None = None  # centring means, fp32
         self.value_mean: torch.Tensor | None = None
+        self.key_order: torch.Tensor | None = None  # channel orders of split codes (outlier channels first)
+        self.value_order: torch.Tensor | None = None
         self._pending: CompressedPlan | None = None
 
     @property
@@ -292,20 +274,37 @@ class TurboQuantLayer(CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every tensor this layer holds (compressed store, sinks, window, means)."""
-        means = sum(t.numel() * t.element_size() for t in (self.key_mean, self.value_mean) if t is not None)
-        return self.store.nbytes + self.sinks.nbytes + self.window.nbytes + means
+        """Bytes of every tensor this layer holds (compressed store, sinks, window, per-sequence statistics)."""
+        stats = sum(t.numel() * t.element_size() for t in self._stats().values() if t is not None)
+        return self.store.nbytes + self.sinks.nbytes + self.window.nbytes + stats
+
+    def _stats(self) -> dict[str, torch.Tensor | None]:
+        return {name: getattr(self, name) for name in SEQUENCE_STATS}
+
+    def _map_stats(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name, t in self._stats().items():
+            if t is not None:
+                setattr(self, name, fn(t))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Record batch, heads, head_dim, dtype and device from the first K/V; build the quantizers."""
+        """Record batch, heads, head_dim, dtype and device from the first K/V; build the codecs."""
         cfg = self.config
         self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.key_quantizer = quantizer(self.head_dim, cfg.key_bits, cfg.key_seed, cfg.rotation, cfg.norm_correction)
-        self.value_quantizer = quantizer(
-            self.head_dim, cfg.value_bits, cfg.value_seed, cfg.rotation, cfg.norm_correction
+        self.key_codec = head_codec(
+            self.head_dim, cfg.key_bits, cfg.key_seed, cfg.rotation, cfg.norm_correction, cfg.outlier_channels,
+            cfg.key_qjl,
+        )
+        self.value_codec = head_codec(
+            self.head_dim, cfg.value_bits, cfg.value_seed, cfg.rotation, cfg.norm_correction, cfg.outlier_channels,
+            False,
         )
         self.is_initialized = True
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether keys and values use the plain code the CUDA kernels read (no outlier channels, no QJL)."""
+        return self.key_codec.is_plain and self.value_codec.is_plain
 
     def _check_states(self, key_states: Any, value_states: Any) -> None:
         """Raise a ValueError/TypeError naming the problem; nothing is modified."""
@@ -340,6 +339,10 @@ class TurboQuantLayer(CacheLayerMixin):
                 f"`rotation='hadamard'` needs a power-of-two head_dim, got `key_states` {_shape(key_states)}; "
                 "use rotation='haar'"
             )
+        cfg = self.config
+        problem = split_problem(head_dim, cfg.outlier_channels, cfg.key_qjl, cfg.rotation)
+        if problem is not None:
+            raise ValueError(f"{problem} (`key_states` {_shape(key_states)})")
         if self.is_initialized:
             expected = [self.batch_size, self.num_heads, head_dim]
             got = [key_states.shape[0], key_states.shape[1], self.head_dim]
@@ -380,6 +383,9 @@ class TurboQuantLayer(CacheLayerMixin):
             self.key_mean = key_states.float().mean(dim=2)
         if count and cfg.value_centering and self.value_mean is None:
             self.value_mean = value_states.float().mean(dim=2)
+        if count and cfg.outlier_channels and self.key_order is None:
+            self.key_order = self.key_codec.channel_order(self._centred(key_states, self.key_mean))
+            self.value_order = self.value_codec.channel_order(self._centred(value_states, self.value_mean))
 
         to_sinks = min(cfg.sink_tokens - self.num_sink, count) if self.num_compressed + self.num_window == 0 else 0
         self.sinks.append(key_states[:, :, :to_sinks], value_states[:, :, :to_sinks])
@@ -411,19 +417,23 @@ class TurboQuantLayer(CacheLayerMixin):
         empty = like.new_empty((self.batch_size, self.num_heads, 0, self.head_dim))
         return empty, empty.clone()
 
+    @staticmethod
+    def _centred(x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
+        return x if mean is None else x.float() - mean[:, :, None, :]
+
     def _compress(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Compress ``[B, H, n, D]`` K/V (after centring) and append them to the store."""
-        if self.key_mean is not None:
-            keys = keys.float() - self.key_mean[:, :, None, :]
-        if self.value_mean is not None:
-            values = values.float() - self.value_mean[:, :, None, :]
-        k_packed, k_norms = self._run_compress(self.key_quantizer, keys)
-        v_packed, v_norms = self._run_compress(self.value_quantizer, values)
-        self.store.append(k_packed, k_norms, v_packed, v_norms)
+        key_code = self.key_codec.encode(self._centred(keys, self.key_mean), self.key_order, self._run_compress)
+        value_code = self.value_codec.encode(
+            self._centred(values, self.value_mean), self.value_order, self._run_compress
+        )
+        self.store.append(*key_code, *value_code)
 
     def _run_compress(self, tq: TurboQuantizer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dev = x.device
-        return implementation("compress", self.config.backend, x).compress(
+        # Split codes have parts of head dims no kernel is built for: they take the reference (HeadCodec warns).
+        backend = self.config.backend if self.is_plain else "torch"
+        return ops.implementation("compress", x, backend=backend).compress(
             x, tq.rotation(dev), tq.boundaries(dev), tq.bits, tq.centroids(dev), tq.norm_correction,
             tq.hadamard_signs(dev),
         )
@@ -448,9 +458,18 @@ class TurboQuantLayer(CacheLayerMixin):
         """The exact sink K/V (views), or None when there are none."""
         return self.sinks.views() if self.num_sink else None
 
-    def compressed_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(k_packed, k_norms, v_packed, v_norms)`` views of the compressed tokens (``[B, H_kv, N_c, ...]``)."""
+    def compressed_views(self) -> tuple[torch.Tensor, ...]:
+        """Views of the compressed tokens (``[B, H_kv, N_c, ...]``): the key code's tensors, then the value code's;
+        ``(k_packed, k_norms, v_packed, v_norms)`` for plain codes."""
         return self.store.views()
+
+    def key_views(self) -> tuple[torch.Tensor, ...]:
+        """The key code's tensors of the compressed tokens (see :class:`~flashquant_hf.codec.HeadCodec`)."""
+        return self.store.views()[: self.key_codec.tensor_count]
+
+    def value_views(self) -> tuple[torch.Tensor, ...]:
+        """The value code's tensors of the compressed tokens."""
+        return self.store.views()[self.key_codec.tensor_count :]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V the cache stands for, ``[B, H_kv, N, D]``, compressed tokens rebuilt (tests and debugging only).
@@ -463,9 +482,8 @@ class TurboQuantLayer(CacheLayerMixin):
             parts_k.append(sk.to(dtype))
             parts_v.append(sv.to(dtype))
         if self.num_compressed:
-            kp, kn, vp, vn = self.store.views()
-            k = _decompress(self.key_quantizer, kp, kn)
-            v = _decompress(self.value_quantizer, vp, vn)
+            k = self.key_codec.decode(self.key_views(), self.key_order)
+            v = self.value_codec.decode(self.value_views(), self.value_order)
             if self.key_mean is not None:
                 k = k + self.key_mean[:, :, None, :]
             if self.value_mean is not None:
@@ -537,8 +555,7 @@ class TurboQuantLayer(CacheLayerMixin):
             raise ValueError(f"`beam_idx` must have {self.batch_size} entries, got {beam_idx.shape[0]}")
         for buffer in self._buffers():
             buffer.reorder(beam_idx)
-        self.key_mean = _index_rows(self.key_mean, beam_idx)
-        self.value_mean = _index_rows(self.value_mean, beam_idx)
+        self._map_stats(lambda t: t.index_select(0, beam_idx.to(t.device)))
         self._pending = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -559,8 +576,7 @@ class TurboQuantLayer(CacheLayerMixin):
     def _rebatch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for buffer in self._buffers():
             buffer.rebatch(fn)
-        self.key_mean = fn(self.key_mean) if self.key_mean is not None else None
-        self.value_mean = fn(self.value_mean) if self.value_mean is not None else None
+        self._map_stats(fn)
         self.batch_size = fn(torch.zeros((self.batch_size, 1), device=self.device)).shape[0]
         self._pending = None
 
@@ -581,21 +597,7 @@ class TurboQuantLayer(CacheLayerMixin):
     def _move(self, device) -> None:
         for buffer in self._buffers():
             buffer.to(device, non_blocking=True)
-        if self.key_mean is not None:
-            self.key_mean = self.key_mean.to(device, non_blocking=True)
-        if self.value_mean is not None:
-            self.value_mean = self.value_mean.to(device, non_blocking=True)
-
-
-def _index_rows(t: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
-    return None if t is None else t.index_select(0, index.to(t.device))
-
-
-def _decompress(tq: TurboQuantizer, packed: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    dev = packed.device
-    return ops.decompress(
-        packed, norms, tq.rotation(dev), tq.centroids(dev), tq.bits, tq.head_dim, torch.float32, tq.hadamard_signs(dev)
-    )
+        self._map_stats(lambda t: t.to(device, non_blocking=True))
 
 
 # --------------------------------------------------------------------------------------------- the cache

@@ -86,14 +86,16 @@ def lloyd_max_codebook(head_dim: int, bits: int, tol: float = 1e-12, max_iter: i
     marginal = _SphereMarginal(head_dim)
     levels = 1 << bits
     sd = 1.0 / np.sqrt(head_dim)
-    centroids = np.linspace(-2.5 * sd, 2.5 * sd, levels) if levels > 1 else np.zeros(1)
+    # Start inside the support: at small head_dim 2.5 sd lies beyond +-1, and an empty cell has no centroid.
+    spread = min(2.5 * sd, 1.0 - 1.0 / levels)
+    centroids = np.linspace(-spread, spread, levels) if levels > 1 else np.zeros(1)
     lo, hi = -1.0, 1.0
     for _ in range(max_iter):
         boundaries = 0.5 * (centroids[1:] + centroids[:-1])
         edges = np.concatenate([[lo], boundaries, [hi]])
         mass = marginal.integral(0, edges)
         first = marginal.integral(1, edges)
-        new_centroids = first / np.maximum(mass, 1e-300)
+        new_centroids = np.where(mass > 0, first / np.maximum(mass, 1e-300), centroids)
         shift = np.max(np.abs(new_centroids - centroids))
         centroids = new_centroids
         if shift < tol:

@@ -72,6 +72,11 @@ class TurboQuantConfig:
     key_centering, value_centering : subtract a per-sequence, per-head, per-channel mean (computed on the first
         prefill) before compressing; exact for attention (default: keys always, values when ``value_bits == 4``)
     norm_correction : store ``||x|| / ||centroids[idx]||`` so reconstructions keep the exact norm (default True)
+    outlier_channels : channels of each KV head coded with one bit more (keys and values; the paper's mixed-
+        precision modes), chosen per sequence and head by their mean square on the first prefill (default 0:
+        off; needs ``key_bits``/``value_bits`` <= 3). Runs on the PyTorch reference path.
+    key_qjl : keys as a ``key_bits - 1``-bit MSE code plus a 1-bit QJL sketch of the residual (TurboQuant_prod:
+        unbiased scores; default False; needs ``key_bits`` >= 2). Runs on the PyTorch reference path.
     rotation : ``"haar"`` (dense random orthogonal) or ``"hadamard"`` (randomized Hadamard; power-of-two head_dim)
     seed : rotation seed; keys use ``2 * seed``, values ``2 * seed + 1`` (default 0)
     backend : ``"auto"``, ``"cuda"`` or ``"torch"`` (default: ``FLASHQUANT_BACKEND``, else ``auto``)
@@ -92,6 +97,8 @@ class TurboQuantConfig:
     key_centering: bool | None = None
     value_centering: bool | None = None
     norm_correction: bool | None = None
+    outlier_channels: int | None = None
+    key_qjl: bool | None = None
     rotation: str | None = None
     seed: int | None = None
     backend: str | None = None
@@ -133,13 +140,20 @@ class TurboQuantConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or value not in SUPPORTED_BITS:
                 return name, f"one of {SUPPORTED_BITS}"
-        for name in ("residual_length", "sink_tokens", "seed"):
+        for name in ("residual_length", "sink_tokens", "seed", "outlier_channels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 return name, "an integer >= 0"
-        for name in ("key_centering", "value_centering", "norm_correction"):
+        for name in ("key_centering", "value_centering", "norm_correction", "key_qjl"):
             if not isinstance(getattr(self, name), bool):
                 return name, "True or False"
+        if self.key_qjl and self.key_bits < 2:
+            return "key_bits", ">= 2 with `key_qjl` (one bit goes to the residual sketch)"
+        if self.outlier_channels:  # outlier channels take one bit more than the code, and codes have at most 4
+            if (self.key_bits - 1 if self.key_qjl else self.key_bits) > 3:
+                return "key_bits", "<= 3 with `outlier_channels` (<= 4 with `key_qjl` too)"
+            if self.value_bits > 3:
+                return "value_bits", "<= 3 with `outlier_channels`"
         if self.rotation not in ROTATIONS:
             return "rotation", f"one of {ROTATIONS}"
         if self.backend not in BACKENDS:
@@ -179,6 +193,8 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], Any]] = {
     "key_centering": (_parse_bool, True),
     "value_centering": (_parse_bool, None),
     "norm_correction": (_parse_bool, True),
+    "outlier_channels": (_parse_int, 0),
+    "key_qjl": (_parse_bool, False),
     "rotation": (_parse_str, "haar"),
     "seed": (_parse_int, 0),
     "backend": (_parse_str, "auto"),

@@ -21,8 +21,9 @@ The compressed-path algorithm (one call, ``Lq`` queries, the layer holding ``S``
 3. The exact parts (sinks and window) attended in torch with their own log-sum-exp, then ``ops.merge_partials``.
 
 A mask that is not "causal structure + per-key bias" (a custom 4D mask, a sliding window over a compressed
-layer during a multi-token chunk) and soft-capping (Gemma-2) take an exact torch path over the dequantized
-compressed part instead (correct, slower: it rebuilds the compressed K/V in rotated space).
+layer during a multi-token chunk), soft-capping (Gemma-2) and split codes (outlier channels, QJL residual;
+:mod:`flashquant_hf.codec`) take an exact torch path instead (correct, slower: the codecs rebuild the compressed
+K/V in their rotated spaces).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from typing import Any, Callable
 
 import torch
 
-from .cache import TAG, CompressedPlan, FirstPrefillTag, TurboQuantLayer, implementation
+from .cache import TAG, CompressedPlan, FirstPrefillTag, TurboQuantLayer
+from .ops import implementation
 
 logger = logging.getLogger(__name__)
 
@@ -139,21 +141,25 @@ def exact_attention(
     return _softmax_out(scores, values.float(), q_heads, masked=bias is not None or kv_len == 0)
 
 
-def _softmax_out(
-    scores: torch.Tensor, values: torch.Tensor, q_heads: int, masked: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [B, H_kv, G, Lq, N], values [B, H_kv, N, D] -> (out [B, Hq, Lq, D], lse [B, Hq, Lq]).
+def _softmax(scores: torch.Tensor, masked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities, log-sum-exp) over the last dim; rows that see nothing get probabilities 0 and lse -inf.
 
     ``masked=False`` promises that no score is -inf (every row sees every key): fewer kernels per decode step.
     """
-    batch, kv_heads, group, q_len, kv_len = scores.shape
     lse = torch.logsumexp(scores, dim=-1)
-    if masked:
-        finite = torch.isfinite(lse)
-        probs = torch.exp(scores - torch.where(finite, lse, 0).unsqueeze(-1))
-        probs = torch.where(finite.unsqueeze(-1), probs, 0)
-    else:
-        probs = torch.exp(scores - lse.unsqueeze(-1))
+    if not masked:
+        return torch.exp(scores - lse.unsqueeze(-1)), lse
+    finite = torch.isfinite(lse)
+    probs = torch.exp(scores - torch.where(finite, lse, 0).unsqueeze(-1))
+    return torch.where(finite.unsqueeze(-1), probs, 0), lse
+
+
+def _softmax_out(
+    scores: torch.Tensor, values: torch.Tensor, q_heads: int, masked: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [B, H_kv, G, Lq, N], values [B, H_kv, N, D] -> (out [B, Hq, Lq, D], lse [B, Hq, Lq])."""
+    batch, kv_heads, group, q_len, kv_len = scores.shape
+    probs, lse = _softmax(scores, masked)
     out = probs.view(batch, kv_heads, group * q_len, kv_len) @ values
     return out.view(batch, q_heads, q_len, -1), lse.reshape(batch, q_heads, q_len)
 
@@ -181,10 +187,10 @@ def _compressed_fast(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.tq_attention over the compressed part: (out [B, Hq, Lq, D] fp32 in model space, lse incl. centring)."""
     dev = query.device
-    tq_k, tq_v = layer.key_quantizer, layer.value_quantizer
+    tq_k, tq_v = layer.key_codec.quantizer, layer.value_codec.quantizer
     kp, kn, vp, vn = layer.compressed_views()
     q_rot = (query.float() @ tq_k.rotation(dev).T).to(query.dtype)
-    impl = implementation("tq_attention", layer.config.backend, q_rot, kp)
+    impl = implementation("tq_attention", q_rot, kp, backend=layer.config.backend)
     args = (kp, kn, vp, vn, tq_k.centroids(dev), tq_v.centroids(dev), tq_k.bits, tq_v.bits, scale)
     outs, lses = [], []
     q_len = query.shape[2]
@@ -195,7 +201,7 @@ def _compressed_fast(
                 out, lse = impl.tq_attention(q_rows, *args, causal=causal, key_bias=key_bias)
             except NotImplementedError as error:  # a kernel without this specialisation (e.g. 3-bit decode)
                 _warn_once(f"fallback-{error}", f"flashquant: {error}; using the PyTorch reference tq_attention")
-                impl = implementation("tq_attention", "torch")
+                impl = implementation("tq_attention", backend="torch")
                 out, lse = impl.tq_attention(q_rows, *args, causal=causal, key_bias=key_bias)
             outs.append(out)
             lses.append(lse)
@@ -212,20 +218,13 @@ def _compressed_torch(
     scale: float,
     softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact torch path over the dequantized (rotated-space) compressed part; bias fp32 [B, Lq, Nc]."""
-    from .reference.decompress import dequantize_rotated
-
-    dev = query.device
-    tq_k, tq_v = layer.key_quantizer, layer.value_quantizer
-    kp, kn, vp, vn = layer.compressed_views()
-    head_dim = layer.head_dim
-    keys = dequantize_rotated(kp, kn, tq_k.centroids(dev), tq_k.bits, head_dim)
-    values = dequantize_rotated(vp, vn, tq_v.centroids(dev), tq_v.bits, head_dim)
-    q_rot = query.float() @ tq_k.rotation(dev).T
-    batch, q_heads, q_len, _ = query.shape
+    """Torch path over the compressed part, any code (bias fp32 [B, Lq, Nc]): the codecs multiply in their
+    rotated spaces, so the compressed K/V are never rebuilt in model space."""
+    batch, q_heads, q_len, head_dim = query.shape
     kv_heads = layer.num_heads
-    q = q_rot.reshape(batch, kv_heads, -1, head_dim)
-    scores = (q @ keys.transpose(-1, -2)).view(batch, kv_heads, q_heads // kv_heads, q_len, -1)
+    q = query.float().reshape(batch, kv_heads, -1, head_dim)
+    scores = layer.key_codec.dot(q, layer.key_views(), layer.key_order)
+    scores = scores.view(batch, kv_heads, q_heads // kv_heads, q_len, -1)
     if layer.key_mean is not None:
         q_mu = (_grouped(query.float(), kv_heads) * layer.key_mean[:, :, None, None, :]).sum(-1)
         scores = scores + q_mu.unsqueeze(-1)
@@ -233,11 +232,13 @@ def _compressed_torch(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores + bias[:, None, None]
-    out_rot, lse = _softmax_out(scores, values, q_heads)
-    out = out_rot @ tq_v.rotation(dev)
+    probs, lse = _softmax(scores)
+    out = layer.value_codec.weighted_sum(probs.view(batch, kv_heads, -1, probs.shape[-1]), layer.value_views(),
+                                         layer.value_order)
+    out = out.view(batch, q_heads, q_len, head_dim)
     if layer.value_mean is not None:
         out = (_grouped(out, kv_heads) + layer.value_mean[:, :, None, None, :]).reshape(out.shape)
-    return out, lse
+    return out, lse.reshape(batch, q_heads, q_len)
 
 
 def _uncenter(
@@ -317,7 +318,7 @@ def compressed_attention(
     key_bias = as_bias(mask[:, -1, comp]).expand(batch, n_comp).contiguous() if mask is not None else None
     diagonal = n_comp + n_win - q_len if is_causal else None
     regular = mask is None or q_len == 1 or _is_regular(mask, comp, key_bias, diagonal)
-    if softcap is None and regular:
+    if softcap is None and regular and layer.is_plain:
         first_causal_rows = min(max(q_len - n_win, 0), q_len) if is_causal else 0
         out_c, lse_c = _compressed_fast(layer, query, key_bias, first_causal_rows, scale)
     else:
@@ -356,7 +357,7 @@ def compressed_attention(
     out_e, lse_e = exact_attention(query, keys, values, exact_bias, scale, softcap)
 
     stacked_out, stacked_lse = torch.stack([out_c, out_e]), torch.stack([lse_c, lse_e])
-    out, _ = implementation("split_k", layer.config.backend, stacked_out).merge_partials(stacked_out, stacked_lse)
+    out, _ = implementation("split_k", stacked_out, backend=layer.config.backend).merge_partials(stacked_out, stacked_lse)
     return _to_model_layout(out, query.dtype)
 
 

@@ -17,8 +17,16 @@ logger = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
-def implementation(op: str, *tensors: torch.Tensor) -> ModuleType:
-    """The module (``kernels.<op>`` or ``reference.<op>``) that runs ``op`` on ``tensors``."""
+def implementation(op: str, *tensors: torch.Tensor, backend: str = "auto") -> ModuleType:
+    """The module (``kernels.<op>`` or ``reference.<op>``) that runs ``op`` on ``tensors``.
+
+    ``backend`` is a cache's setting: ``auto`` follows ``FLASHQUANT_BACKEND`` and the tensors' device, ``torch``
+    pins the reference, ``cuda`` first checks that the kernels can run on ``tensors``.
+    """
+    if backend == "torch":
+        return importlib.import_module(f"flashquant_hf.reference.{op}")
+    if backend == "cuda":
+        resolve_backend(*tensors, requested="cuda")
     if resolve_backend(*tensors) == "torch":
         return importlib.import_module(f"flashquant_hf.reference.{op}")
     try:

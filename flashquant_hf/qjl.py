@@ -18,6 +18,8 @@ import torch
 
 from .packing import pack_indices, unpack_indices
 
+SKETCH_STREAM = 0x514A4C  # "QJL"
+
 
 class QJLSketch:
     """Sign sketch of ``m`` Gaussian projections of ``head_dim``-vectors.
@@ -41,7 +43,9 @@ class QJLSketch:
     @functools.cache
     def projection(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """S, fp32 ``[m, head_dim]`` with i.i.d. standard normal entries (seeded, machine-independent)."""
-        s = np.random.default_rng(self.seed).standard_normal((self.m, self.head_dim))
+        # A stream of its own: rotations draw their Gaussian matrix from default_rng(seed), and a sketch equal to
+        # the rotation's matrix correlates S with the quantization residual (measured: scores biased by ~1%).
+        s = np.random.default_rng([self.seed, SKETCH_STREAM]).standard_normal((self.m, self.head_dim))
         return torch.tensor(s, dtype=torch.float32, device=device)
 
     def encode(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_helpers import causal_mask, float64_attention
 from hf_helpers import one_thread
 
 from flashquant_hf import TurboQuantCache, TurboQuantConfig, TurboQuantLayer
-from flashquant_hf.cache import TAG, CompressedPlan, FirstPrefillTag, quantizer
+from flashquant_hf.cache import TAG, CompressedPlan, FirstPrefillTag
+from flashquant_hf.codec import quantizer
 from flashquant_hf.hf_attention import compressed_attention, install, mask_to_bias
 
 B, H, D = 2, 2, 16
@@ -255,29 +257,6 @@ def test_no_full_precision_keys_attribute():
 
 
 # --------------------------------------------------------------------------------------------- attention
-def _reference(query, keys, values, bias, scale, softcap=None):
-    """float64 attention over full K/V; bias [B, Lq, N] additive."""
-    group = query.shape[1] // keys.shape[1]
-    k = keys.double().repeat_interleave(group, dim=1)
-    v = values.double().repeat_interleave(group, dim=1)
-    scores = query.double() @ k.transpose(-1, -2) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if bias is not None:
-        scores = scores + bias[:, None].double()
-    return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
-
-
-def _causal_mask(batch, q_len, total, pad: list[int] | None = None, as_float: torch.dtype | None = None):
-    rows = torch.arange(total - q_len, total)[:, None]
-    mask = (torch.arange(total)[None, :] <= rows)[None, None].repeat(batch, 1, 1, 1)
-    for b, n in enumerate(pad or []):
-        mask[b, :, :, :n] = False
-    if as_float is not None:
-        mask = torch.where(mask, 0.0, torch.finfo(as_float).min).to(as_float)
-    return mask
-
-
 @pytest.mark.parametrize(
     "residual, sinks, chunks, q_len, kc, vc",
     [
@@ -302,14 +281,14 @@ def test_compressed_attention_matches_float64_over_dequantized_kv(
     query = torch.randn(B, q_heads, q_len, D)
     mask = None
     if mask_kind == "padding":
-        mask = _causal_mask(B, q_len, total, pad=[0, 3])
+        mask = causal_mask(B, q_len, total, pad=[0, 3])
     elif mask_kind == "eager_float":
-        mask = _causal_mask(B, q_len, total, pad=[2, 0], as_float=torch.float32)
+        mask = causal_mask(B, q_len, total, pad=[2, 0], as_float=torch.float32)
     elif mask_kind == "broadcast":
-        mask = _causal_mask(1, q_len, total)
+        mask = causal_mask(1, q_len, total)
     keys, values = layer.dequantize(torch.float64)
-    full_mask = _causal_mask(B, q_len, total) if mask is None else mask
-    expected = _reference(query, keys, values, mask_to_bias(full_mask, B, q_len, total), 0.3)
+    full_mask = causal_mask(B, q_len, total) if mask is None else mask
+    expected = float64_attention(query, keys, values, mask_to_bias(full_mask, B, q_len, total), 0.3)
     got = compressed_attention(plan, query, mask, scaling=0.3)
     assert got.shape == (B, q_len, q_heads, D) and got.dtype == query.dtype
     err = (got.double() - expected).abs().max().item()
@@ -325,12 +304,12 @@ def test_compressed_attention_soft_capping_and_irregular_masks_are_exact():
     query = torch.randn(B, 4, 4, D)
     keys, values = layer.dequantize(torch.float64)
     # A sliding window of 6 over a compressed layer: rows see different compressed keys.
-    mask = _causal_mask(B, 4, total)
+    mask = causal_mask(B, 4, total)
     rows = torch.arange(total - 4, total)[:, None]
     mask &= (torch.arange(total)[None, :] > rows - 6)[None, None]
     bias = mask_to_bias(mask, B, 4, total)
     for softcap in (None, 5.0):
-        expected = _reference(query, keys, values, bias, 0.25, softcap)
+        expected = float64_attention(query, keys, values, bias, 0.25, softcap)
         got = compressed_attention(plan, query, mask, scaling=0.25, softcap=softcap)
         assert (got.double() - expected).abs().max().item() < 2e-5
 
@@ -343,13 +322,13 @@ def test_compressed_attention_long_chunk_checks_the_mask_in_row_blocks(sliding):
     out_k, _ = layer.update(*_kv(300, seed=6))
     plan = getattr(out_k, TAG)
     total = layer.get_seq_length()
-    mask = _causal_mask(B, 300, total, pad=[0, 5])
+    mask = causal_mask(B, 300, total, pad=[0, 5])
     if sliding:  # irregular: the last rows no longer see the first compressed keys
         rows = torch.arange(total - 300, total)[:, None]
         mask &= (torch.arange(total)[None, :] > rows - 200)[None, None]
     query = torch.randn(B, 4, 300, D)
     keys, values = layer.dequantize(torch.float64)
-    expected = _reference(query, keys, values, mask_to_bias(mask, B, 300, total), 0.25)
+    expected = float64_attention(query, keys, values, mask_to_bias(mask, B, 300, total), 0.25)
     got = compressed_attention(plan, query, mask, scaling=0.25)
     assert (got.double() - expected).abs().max().item() < 2e-5
 
@@ -362,7 +341,7 @@ def test_compressed_attention_half_precision_model():
     plan = getattr(out[0], TAG)
     query = torch.randn(B, 4, 1, D).to(torch.bfloat16)
     keys, values = layer.dequantize(torch.float64)
-    expected = _reference(query.float(), keys, values, None, D**-0.5)
+    expected = float64_attention(query.float(), keys, values, None, D**-0.5)
     got = compressed_attention(plan, query, None)
     assert got.dtype == torch.bfloat16
     assert (got.double() - expected).abs().max().item() < 2e-2

@@ -101,6 +101,24 @@ def test_generate_runs_with_compression_active(mode, residual):
     assert layer.num_compressed == 8 + NEW - 1 - residual - layer.num_sink and layer.batch_size == rows * MODES[mode].get("num_beams", 1)
 
 
+@pytest.mark.parametrize(
+    "levers",
+    [dict(bits=3, outlier_channels=4), dict(bits=4, key_qjl=True), dict(key_bits=4, value_bits=2, outlier_channels=8,
+                                                                        key_qjl=True)],
+)
+def test_beam_search_runs_over_split_codes(levers):
+    """Outlier channels and the QJL key residual through generate(): beam reordering moves their channel orders."""
+    model = tiny_model("llama")
+    ids = prompt_ids(2, 8, seed=5)
+    cache = TurboQuantCache(residual_length=2, **levers)
+    got = _generate(model, cache, ids, **MODES["beam"])
+    assert got.shape == (2, 8 + NEW)
+    layer = cache.layers[0]
+    assert not layer.is_plain and layer.num_compressed == 8 + NEW - 1 - 2 - layer.num_sink
+    if "outlier_channels" in levers:
+        assert layer.key_order.shape == (6, 2, 16)  # 2 prompts x 3 beams, 2 KV heads, head_dim 16
+
+
 def test_assisted_generation_with_compression_active_crops_the_store():
     model = tiny_model("llama")
     assistant = tiny_model("llama", seed=1, num_hidden_layers=1)

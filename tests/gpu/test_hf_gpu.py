@@ -82,3 +82,23 @@ def test_presets_with_sinks_and_centring_run_on_kernels(monkeypatch, caplog, hea
     rel = ((fast - ref).norm() / ref.norm()).item()
     print(f"bits={bits} head_dim={head_dim} rel={rel:.2e}")
     assert rel < 2e-2
+
+
+@pytest.mark.parametrize("levers", [dict(bits=3, outlier_channels=32), dict(bits=4, key_qjl=True)])
+def test_split_codes_run_on_the_reference_with_a_warning(monkeypatch, caplog, levers):
+    """Outlier channels / QJL residual on CUDA tensors: served by the PyTorch reference, said once, same logits."""
+    from flashquant_hf import codec
+
+    monkeypatch.setattr(codec, "_warned", False)
+    model = _tiny_llama(128)
+    ids = torch.randint(0, 512, (2, 160), device="cuda")
+    settings = dict(residual_length=16, **levers)
+    monkeypatch.setenv("FLASHQUANT_BACKEND", "cuda")
+    with caplog.at_level("WARNING", logger="flashquant_hf"):
+        fast = _teacher_forced_logits(model, ids, 120, TurboQuantCache(**settings))
+    warnings = [r for r in caplog.records if "PyTorch reference" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+    monkeypatch.setenv("FLASHQUANT_BACKEND", "torch")
+    ref = _teacher_forced_logits(model, ids, 120, TurboQuantCache(**settings))
+    assert not fast.isnan().any()
+    assert ((fast - ref).norm() / ref.norm()).item() < 2e-2
