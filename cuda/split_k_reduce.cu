@@ -5,9 +5,9 @@
 //   lse[r] = max + log(sum_s w_s), or -inf (and out 0) when every split is empty.
 //
 // One warp per row; each lane owns D/32 consecutive floats (vector loads), so a row costs S coalesced reads.
-// The weights are computed lane-parallel (lane j: split s0 + j) and broadcast with shuffles, so the S row reads
-// do not wait on each other: a row with 32 splits (B=1, N=128K decode) costs a few L2 round trips, not 32 (the
-// serial loop took 16.5 us there, H200 ncu). D = 0 selects a generic loop over any head_dim.
+// The weights are computed lane-parallel (lane j: split s0 + j, its lse read once) and broadcast with shuffles,
+// so the S row reads do not wait on each other: a row with 32 splits (B=1, N=128K decode) costs two L2 round
+// trips (lses, then every row read), not 32 (the serial loop took 16.5 us there, H200 ncu). D = 0 selects a generic loop over any head_dim.
 
 namespace fqr {
 
@@ -62,8 +62,9 @@ __device__ __forceinline__ void store_vec(float* p, const Vec<N>& v) {
 }
 
 // outs element (s, r, d) at outs[s * o_ss + r * o_sr + d]; lses (s, r) at lses[s * l_ss + r * l_sr];
-// out [rows, head_dim] and lse [rows] contiguous.
-template <int D>
+// out [rows, head_dim] and lse [rows] contiguous. kInFlight: row reads issued before the first is used (32 for
+// many splits; 4 keeps the registers low for the many-row, few-split merges of the prefill).
+template <int D, int kInFlight>
 __global__ void __launch_bounds__(32 * kRowsPerBlock)
 split_k_merge(const float* __restrict__ outs, long long o_ss, long long o_sr, const float* __restrict__ lses,
               long long l_ss, long long l_sr, float* __restrict__ out, float* __restrict__ lse, int num_splits,
@@ -72,8 +73,9 @@ split_k_merge(const float* __restrict__ outs, long long o_ss, long long o_sr, co
   const int row = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;
   const float* l_row = lses + row * l_sr;
-  float mx = -inf();
-  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, l_row[s * l_ss]);
+  const float l_first = lane < num_splits ? l_row[lane * l_ss] : -inf();  // kept for the first 32 weights
+  float mx = l_first;
+  for (int s = lane + 32; s < num_splits; s += 32) mx = fmaxf(mx, l_row[s * l_ss]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   const float* o_row = outs + row * o_sr;
@@ -91,19 +93,27 @@ split_k_merge(const float* __restrict__ outs, long long o_ss, long long o_sr, co
     Vec<N> acc;
 #pragma unroll
     for (int i = 0; i < N; ++i) acc.x[i] = 0.f;
+    static_assert(kInFlight >= 1 && kInFlight <= 32 && kInFlight * N <= 128, "reads in flight: registers");
     for (int s0 = 0; s0 < num_splits; s0 += 32) {
       const int count = min(32, num_splits - s0);
-      const float w_lane = lane < count ? ex2(fmaf(l_row[(s0 + lane) * l_ss], kLog2e, -mx2)) : 0.f;
+      const float l = s0 == 0 ? l_first : (lane < count ? l_row[(s0 + lane) * l_ss] : -inf());
+      const float w_lane = ex2(fmaf(l, kLog2e, -mx2));  // 0 for an empty split (lse -inf)
       total += w_lane;
       const float* o_split = o_row + s0 * o_ss + lane * N;
-#pragma unroll 16
-      for (int j = 0; j < count; ++j) {
-        const float w = __shfl_sync(0xffffffffu, w_lane, j);
-        Vec<N> v;
-        load_vec(v, o_split + j * o_ss);
-        // An empty split (w = 0) may hold anything: select, so its row neither counts nor turns acc into NaN.
+      for (int j0 = 0; j0 < count; j0 += kInFlight) {
+        Vec<N> v[kInFlight];  // every read of the batch issued before the first is used
 #pragma unroll
-        for (int i = 0; i < N; ++i) acc.x[i] = w != 0.f ? fmaf(w, v.x[i], acc.x[i]) : acc.x[i];
+        for (int j = 0; j < kInFlight; ++j) {
+          if (j0 + j < count) load_vec(v[j], o_split + (j0 + j) * o_ss);
+        }
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) {
+          const float w = __shfl_sync(0xffffffffu, w_lane, j0 + j);
+          if (j0 + j >= count) break;
+          // An empty split (w = 0) may hold anything: select, so its row neither counts nor turns acc into NaN.
+#pragma unroll
+          for (int i = 0; i < N; ++i) acc.x[i] = w != 0.f ? fmaf(w, v[j].x[i], acc.x[i]) : acc.x[i];
+        }
       }
     }
 #pragma unroll

@@ -216,7 +216,7 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_sha
         if FUSED_MERGE:
             tickets = _tickets(index, batch * kv_heads * head_groups)
         else:
-            merge, merge_ptr = split_k.merge_kernel(head_dim, index)
+            merge, merge_ptr = split_k.merge_kernel(head_dim, index, plan.splits)
     found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr,
                     (plan.splits, kv_heads * head_groups, batch), 32 * warps, plan, part_out, part_lse, tickets,
                     FUSED_MERGE)

@@ -15,17 +15,34 @@ CUDA_SOURCE = "split_k_reduce.cu"
 VECTOR_HEAD_DIMS = (64, 128, 256)
 ROWS_PER_BLOCK = 8
 MERGE_THREADS = 32 * ROWS_PER_BLOCK  # one warp per row
+# Above this many splits a row's reads are all issued at once (the B=1/N=128K decode has 32);
+# below, 4 at a time, which keeps the registers of the prefill's many-row, 2-split merges low.
+DEEP_SPLITS = 8
 
 
-def merge_name(head_dim: int) -> str:
-    """Name expression of the merge for ``head_dim`` (0: the generic head_dim loop)."""
-    return f"fqr::split_k_merge<{head_dim if head_dim in VECTOR_HEAD_DIMS else 0}>"
+def reads_in_flight(head_dim: int, splits: int) -> int:
+    """Row reads the merge issues before using the first (its ``kInFlight``)."""
+    if splits <= DEEP_SPLITS:
+        return 4
+    return 16 if head_dim == 256 else 32
+
+
+def merge_name(head_dim: int, splits: int = 2) -> str:
+    """Name expression of the merge of ``splits`` partials for ``head_dim`` (0: the generic head_dim loop)."""
+    if head_dim not in VECTOR_HEAD_DIMS:
+        return "fqr::split_k_merge<0, 4>"
+    return f"fqr::split_k_merge<{head_dim}, {reads_in_flight(head_dim, splits)}>"
+
+
+def merge_kernel(head_dim: int, device_index: int, splits: int) -> tuple[object, int]:
+    """The merge of ``splits`` partials for ``head_dim`` on device ``device_index`` and its CUfunction (for
+    ``loader.launch_cached``)."""
+    return _named_kernel(merge_name(head_dim, splits), device_index)
 
 
 @functools.cache
-def merge_kernel(head_dim: int, device_index: int) -> tuple[object, int]:
-    """The merge for ``head_dim`` on device ``device_index`` and its CUfunction (for ``loader.launch_cached``)."""
-    kernel = get_kernel(CUDA_SOURCE, merge_name(head_dim), torch.device("cuda", device_index))
+def _named_kernel(name: str, device_index: int) -> tuple[object, int]:
+    kernel = get_kernel(CUDA_SOURCE, name, torch.device("cuda", device_index))
     return kernel, loader.function_ptr(kernel, device_index)
 
 
@@ -44,7 +61,9 @@ def contiguous_merge_args(part_out, part_lse, out, lse, splits: int, rows: int, 
             head_dim)
 
 
-NAME_EXPRESSIONS: tuple[str, ...] = tuple(merge_name(d) for d in (0,) + VECTOR_HEAD_DIMS)
+NAME_EXPRESSIONS: tuple[str, ...] = tuple(
+    sorted({merge_name(d, splits) for d in (0,) + VECTOR_HEAD_DIMS for splits in (2, DEEP_SPLITS + 1)})
+)
 
 
 def _check_merge_inputs(outs: torch.Tensor, lses: torch.Tensor) -> None:
@@ -63,7 +82,7 @@ def launch_merge(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse:
     """Merge fp32 ``outs [S, rows, D]`` (last dim contiguous, 16-byte aligned rows) and ``lses [S, rows]`` into
     contiguous ``out [rows, D]`` and ``lse [rows]`` (no validation: the decode wrappers call this)."""
     splits, rows, head_dim = outs.shape
-    kernel = get_kernel(CUDA_SOURCE, merge_name(head_dim), outs.device)
+    kernel = get_kernel(CUDA_SOURCE, merge_name(head_dim, splits), outs.device)
     launch(
         kernel, merge_grid(rows), (MERGE_THREADS,),
         (outs, np.int64(outs.stride(0)), np.int64(outs.stride(1)), lses, np.int64(lses.stride(0)),

@@ -261,7 +261,7 @@ def _make_plan(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, scal
         *bias_strides, np.float32(float(scale) * math.log2(math.e)), i32(bool(causal)),
     )
     rows = batch * q_heads * q_len
-    merge, merge_ptr = split_k.merge_kernel(head_dim, index) if splits > 1 else (None, 0)
+    merge, merge_ptr = split_k.merge_kernel(head_dim, index, splits) if splits > 1 else (None, 0)
     plan = _Plan(
         kernel, loader.function_ptr(kernel, index), (grid_row_blocks(q_len, group, config), kv_heads, batch * splits),
         config.threads, shared_bytes(head_dim, k_bits, v_bits, config), scalars, splits, q is not q_rot, index,
@@ -389,7 +389,7 @@ def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Te
     if rows == 0:
         return out, lse
     index = loader.device_index(dev)
-    kernel, kernel_ptr = split_k.merge_kernel(head_dim, index)
+    kernel, kernel_ptr = split_k.merge_kernel(head_dim, index, splits)
     args = split_k.contiguous_merge_args(out_parts, lse_parts, out, lse, splits, rows, head_dim)
     loader.launch_cached(kernel, kernel_ptr, split_k.merge_grid(rows), split_k.MERGE_THREADS, args, index, 0,
                          FAST_LAUNCH)
