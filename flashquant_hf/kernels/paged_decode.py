@@ -6,8 +6,8 @@ partial-result workspace and the launch. Both layouts run the same kernel templa
 computation differs (template ``MODE``).
 
 Host-side plan, once per (shape, length bucket) and reused by every layer of a decode step: the key range of
-each (sequence, KV head) is cut into ``splits`` equal pieces of ``split_len`` keys (whole 16-key tiles,
-``SPLIT_GRANULE``), chosen to fill ``SMs x CTAs-per-SM`` slots in whole waves; with one
+each (sequence, KV head) is cut into ``splits`` equal pieces of ``split_len`` keys (a multiple of ``GRANULE``,
+the keys of one round of all warps of a CTA), chosen to fill ``SMs x CTAs-per-SM`` slots in whole waves; with one
 split the kernel writes the result directly, otherwise ``split_k_reduce.cu`` merges the partials.
 """
 
@@ -53,10 +53,7 @@ NAME_EXPRESSIONS: tuple[str, ...] = tuple(
 HEADS_PER_CTA = 8  # the n = 8 head slots of one mma tile
 LUT_BYTES = 2 * 256 * 32 * 4 + 1024  # K and V byte->pair tables, one copy per lane, + kLutSlack
 MAX_PAGE_BYTES = 4096  # shared-memory copy of one split's block-table slice
-GRANULE = 128  # lengths are planned in buckets of this many keys (one plan serves 128 decode steps)
-# Split boundaries fall on whole 16-key tiles (so a tile never straddles a split, nor a page of >= 16 keys). A
-# coarser 128 made B=1/N=128K take 32 splits (256 CTAs for 264 slots on the H200) where 33 fill every slot.
-SPLIT_GRANULE = 16
+GRANULE = 128  # keys per round of all warps of a CTA (Traits<D, W>::kChunk * W for every instantiation)
 # Tuned on the H200 by benchmarks/bench_decode.py (sweep over the three benchmark shapes, version 4):
 PREFETCH_CHUNKS = 1  # paged: L2 prefetch distance, in warp iterations beyond the register prefetch (0: off)
 CONTIGUOUS_PREFETCH_CHUNKS = 0  # the same for tq_decode (its split key/value loads gained nothing from it)
@@ -131,11 +128,11 @@ def plan_decode(units: int, max_len: int, head_dim: int, slots: int, log2_block_
     wave is ``slots`` (SMs x CTAs per SM) CTAs. Paged splits also keep their block-table slice within
     ``MAX_PAGE_BYTES``. ``max_len`` should be rounded to the granule by callers so one plan serves many steps.
     """
-    gran = SPLIT_GRANULE
-    length = max(GRANULE, -(-max_len // GRANULE) * GRANULE)
+    gran = GRANULE
+    length = max(gran, -(-max_len // gran) * gran)
     max_pages = MAX_PAGE_BYTES // 4 - 1
     best: tuple[float, int, int] | None = None
-    limit = min(length // GRANULE, 4 * slots // max(1, units) + 1)  # splits of >= GRANULE keys
+    limit = min(length // gran, 4 * slots // max(1, units) + 1)
     for s in range(1, max(1, limit) + 1):
         split_len = -(-(-(-length // s)) // gran) * gran
         if log2_block_size is not None and (split_len >> log2_block_size) + 1 > max_pages:
