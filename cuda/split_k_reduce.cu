@@ -6,8 +6,8 @@
 //
 // One warp per row; each lane owns D/32 consecutive floats (vector loads), so a row costs S coalesced reads.
 // The weights are computed lane-parallel (lane j: split s0 + j, its lse read once) and broadcast with shuffles,
-// so the S row reads do not wait on each other: a row with 32 splits (B=1, N=128K decode) costs two L2 round
-// trips (lses, then every row read), not 32 (the serial loop took 16.5 us there, H200 ncu). D = 0 selects a generic loop over any head_dim.
+// so the S row reads do not wait on each other: a row with 32 splits (B=1, N=128K decode) at D <= 128 costs two
+// L2 round trips (lses, then every row read), not 32 (the serial loop took 16.5 us there, H200 ncu). D = 0 selects a generic loop over any head_dim.
 
 namespace fqr {
 

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import ops
+from .backend import resolve_backend
 from .codec import head_codec, split_problem
 from .config import TurboQuantConfig
 from .quantizer import FLOAT_DTYPES, TurboQuantizer
@@ -343,6 +344,11 @@ class TurboQuantLayer(CacheLayerMixin):
         problem = split_problem(head_dim, cfg.outlier_channels, cfg.key_qjl, cfg.rotation)
         if problem is not None:
             raise ValueError(f"{problem} (`key_states` {_shape(key_states)})")
+        if cfg.backend == "cuda":  # checked here, before anything is stored (compress would raise only after)
+            try:
+                resolve_backend(key_states, value_states, requested="cuda")
+            except RuntimeError as error:
+                raise RuntimeError(f"TurboQuantCache(backend='cuda'): {error}") from None
         if self.is_initialized:
             expected = [self.batch_size, self.num_heads, head_dim]
             got = [key_states.shape[0], key_states.shape[1], self.head_dim]

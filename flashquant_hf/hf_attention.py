@@ -45,6 +45,7 @@ ROUTED = ("sdpa", "eager")  # implementations whose compressed calls are served 
 # Attention arguments that change the math and that the compressed path does not implement.
 UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "head_mask")
 ROW_BLOCK = 256  # query rows per block when a multi-token chunk's mask is checked
+TORCH_ROWS = 64  # query rows per block of the torch path (its scores are [B, Hq, rows, Nc] fp32)
 
 _originals: dict[str, Callable | None] = {}
 _warned: set[str] = set()
@@ -218,8 +219,25 @@ def _compressed_torch(
     scale: float,
     softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch path over the compressed part, any code (bias fp32 [B, Lq, Nc]): the codecs multiply in their
-    rotated spaces, so the compressed K/V are never rebuilt in model space."""
+    """Torch path over the compressed part, any code (bias fp32 [B, Lq, Nc]), in blocks of query rows so a long
+    chunk over a long context never holds all its scores at once."""
+    if query.shape[2] <= TORCH_ROWS:
+        return _compressed_torch_rows(layer, query, bias, scale, softcap)
+    parts = []
+    for r0 in range(0, query.shape[2], TORCH_ROWS):
+        rows = slice(r0, r0 + TORCH_ROWS)
+        parts.append(_compressed_torch_rows(layer, query[:, :, rows], bias[:, rows], scale, softcap))
+    return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
+
+
+def _compressed_torch_rows(
+    layer: TurboQuantLayer,
+    query: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codecs multiply in their rotated spaces, so the compressed K/V are never rebuilt in model space."""
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = layer.num_heads
     q = query.float().reshape(batch, kv_heads, -1, head_dim)

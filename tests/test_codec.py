@@ -13,6 +13,7 @@ from flashquant_hf.cache import TAG, CompressedPlan
 from flashquant_hf.codec import HeadCodec
 from flashquant_hf.hf_attention import compressed_attention, mask_to_bias
 from flashquant_hf.packing import packed_size
+from flashquant_hf.quantizer import CompressedTensor
 from flashquant_hf.reference.compress import compress as reference_compress
 
 B, H, D = 2, 2, 16
@@ -45,6 +46,14 @@ def test_plain_code_is_the_quantizer_code():
     assert codec.is_plain and order is None and codec.tensor_count == 2
     expected = codec.quantizer.compress_tensors(x)
     assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
+
+
+def test_plain_code_decodes_like_the_quantizer():
+    codec = _codec(bits=3)
+    x = torch.randn(B, H, 9, D)
+    tensors, order = _code(codec, x)
+    expected = codec.quantizer.decompress(CompressedTensor(*tensors, x.shape, torch.float32, 3))
+    torch.testing.assert_close(codec.decode(tensors, order), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("outliers, qjl", [(4, False), (0, True), (6, True)])
@@ -156,7 +165,8 @@ LEVERS = {
 @pytest.mark.parametrize("levers", sorted(LEVERS))
 @pytest.mark.parametrize(
     "residual, sinks, chunks, q_len, centring",
-    [(0, 0, [9, 1], 1, False), (3, 2, [9, 6], 6, True), (8, 1, [12, 3], 3, True)],
+    # the last: a 70-row chunk, more than one block of the torch path's rows
+    [(0, 0, [9, 1], 1, False), (3, 2, [9, 6], 6, True), (8, 1, [12, 3], 3, True), (4, 0, [9, 70], 70, True)],
 )
 @pytest.mark.parametrize("padding", [False, True])
 def test_attention_over_split_codes_matches_float64_over_decoded_kv(levers, residual, sinks, chunks, q_len, centring,
@@ -225,5 +235,12 @@ def test_invalid_lever_settings_raise(overrides, match):
 def test_lever_that_does_not_fit_the_head_dim_raises_and_leaves_the_cache_unchanged(overrides, match):
     cache = TurboQuantCache(**overrides)
     with pytest.raises(ValueError, match=match):
+        cache.update(*_kv(5, 0), layer_idx=0)
+    assert len(cache.layers) == 0 and cache.get_seq_length() == 0
+
+
+def test_cuda_backend_with_cpu_tensors_raises_before_storing_anything():
+    cache = TurboQuantCache(backend="cuda", bits=3, outlier_channels=4)
+    with pytest.raises(RuntimeError, match="backend='cuda'"):
         cache.update(*_kv(5, 0), layer_idx=0)
     assert len(cache.layers) == 0 and cache.get_seq_length() == 0

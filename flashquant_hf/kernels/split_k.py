@@ -15,7 +15,7 @@ CUDA_SOURCE = "split_k_reduce.cu"
 VECTOR_HEAD_DIMS = (64, 128, 256)
 ROWS_PER_BLOCK = 8
 MERGE_THREADS = 32 * ROWS_PER_BLOCK  # one warp per row
-# Above this many splits a row's reads are all issued at once (the B=1/N=128K decode has 32);
+# Above this many splits a row's reads are issued 32 at a time (16 for head_dim 256; the B=1/N=128K decode has 32);
 # below, 4 at a time, which keeps the registers of the prefill's many-row, 2-split merges low.
 DEEP_SPLITS = 8
 
