@@ -1,4 +1,5 @@
-"""Tiny paged + contiguous decode (several splits, so the merge runs too) for compute-sanitizer:
+"""Tiny paged + contiguous decode (several splits, so the merge runs too) and a 40-split merge (the merge's
+deep-batch variant) for compute-sanitizer:
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize_decode.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_decode.py
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import flashquant_hf.kernels.paged_decode as pd  # noqa: E402
 from flashquant_hf.codebook import lloyd_max_codebook  # noqa: E402
 from flashquant_hf.kernels.paged_decode import paged_decode  # noqa: E402
+from flashquant_hf.kernels.split_k import merge_partials  # noqa: E402
 from flashquant_hf.kernels.tq_decode import tq_decode  # noqa: E402
 from flashquant_hf.paged import PagedLayout  # noqa: E402
 
@@ -46,12 +48,15 @@ def main() -> None:
     bias = torch.zeros(2, 777, device=dev)
     bias[1, :100] = float("-inf")
     out2, lse2 = tq_decode(q[:2, :, None], k, kn, v, vn, c, c, 4, 4, 128**-0.5, key_bias=bias)
+    outs, lses = torch.randn(40, 5, 128, device=dev), torch.randn(40, 5, device=dev)
+    lses[3] = float("-inf")  # an empty split
+    merged, _ = merge_partials(outs, lses)
     torch.cuda.synchronize()
     if len(sys.argv) > 2 and sys.argv[1] == "--dump":  # inputs and outputs for offline debugging
         torch.save({"q": q, "blocks": blocks, "table": table, "lens": lens, "out": out, "lse": lse, "k": k, "kn": kn,
                     "v": v, "vn": vn, "bias": bias, "out2": out2, "lse2": lse2, "c": c},
                    Path(sys.argv[2]) / "decode_dump.pt")
-    assert torch.isfinite(out).all() and torch.isfinite(out2).all()
+    assert torch.isfinite(out).all() and torch.isfinite(out2).all() and torch.isfinite(merged).all()
     print("sanitize_decode: ok", tuple(out.shape), tuple(out2.shape), f"warps {pd.WARPS}, fast launch {pd.FAST_LAUNCH}")
 
 
