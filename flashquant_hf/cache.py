@@ -247,8 +247,9 @@ class TurboQuantLayer(CacheLayerMixin):
         cfg = self.config
         self.sinks = TokenBuffer(growth=1.0, round_to=1, max_capacity=cfg.sink_tokens)
         self.store = TokenBuffer(growth=STORE_GROWTH, round_to=STORE_ROUND, headroom=STORE_HEADROOM)
-        # A full window holds R tokens; the slack lets the oldest ones be dropped 64 times between two moves.
-        window_capacity = cfg.residual_length + WINDOW_SLACK
+        # A full window holds up to R + window_block - 1 tokens; the slack lets the oldest ones be dropped 64 times
+        # between two moves.
+        window_capacity = cfg.residual_length + cfg.window_block - 1 + WINDOW_SLACK
         self.window = TokenBuffer(
             growth=2.0, round_to=16, max_capacity=window_capacity, min_capacity=min(window_capacity, WINDOW_EAGER)
         )
@@ -397,6 +398,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.sinks.append(key_states[:, :, :to_sinks], value_states[:, :, :to_sinks])
         rest_k, rest_v = key_states[:, :, to_sinks:], value_states[:, :, to_sinks:]
         overflow = max(0, self.num_window + rest_k.shape[2] - cfg.residual_length)
+        overflow -= overflow % cfg.window_block  # whole blocks only: the window keeps R to R + block - 1 tokens
         from_window = min(self.num_window, overflow)
         from_new = overflow - from_window
         if from_window:

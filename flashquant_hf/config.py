@@ -68,6 +68,9 @@ class TurboQuantConfig:
     key_bits, value_bits : per-tensor overrides of ``bits`` (default: derived from ``bits``)
     residual_length : the newest tokens kept exact in the model dtype (default 128; 512 for ``bits=3``, 192 for
         ``bits=2.5``); 0 (with ``sink_tokens=0``) compresses every token before it is attended
+    window_block : tokens leaving the exact window are compressed this many at a time, so the window holds
+        ``residual_length`` to ``residual_length + window_block - 1`` tokens (default 1: one per step). Larger
+        blocks launch the compression once per block instead of every decode step.
     sink_tokens : the first tokens of the sequence kept exact forever (default 4)
     key_centering, value_centering : subtract a per-sequence, per-head, per-channel mean (computed on the first
         prefill) before compressing; exact for attention (default: keys always, values when ``value_bits == 4``)
@@ -93,6 +96,7 @@ class TurboQuantConfig:
     key_bits: int | None = None
     value_bits: int | None = None
     residual_length: int | None = None
+    window_block: int | None = None
     sink_tokens: int | None = None
     key_centering: bool | None = None
     value_centering: bool | None = None
@@ -144,6 +148,8 @@ class TurboQuantConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 return name, "an integer >= 0"
+        if isinstance(self.window_block, bool) or not isinstance(self.window_block, int) or self.window_block < 1:
+            return "window_block", "an integer >= 1"
         for name in ("key_centering", "value_centering", "norm_correction", "key_qjl"):
             if not isinstance(getattr(self, name), bool):
                 return name, "True or False"
@@ -189,6 +195,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], Any]] = {
     "key_bits": (_parse_int, None),
     "value_bits": (_parse_int, None),
     "residual_length": (_parse_int, None),
+    "window_block": (_parse_int, 1),
     "sink_tokens": (_parse_int, 4),
     "key_centering": (_parse_bool, True),
     "value_centering": (_parse_bool, None),

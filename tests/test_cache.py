@@ -119,6 +119,32 @@ def test_first_allocation_is_tight_with_a_little_headroom():
     assert 1024 < layer.store.capacity <= 1024 * 1.02 + 16
 
 
+def test_window_block_compresses_whole_blocks():
+    """window_block=4, window 3: the window fills to 6 exact tokens, then the 4 oldest are compressed at once."""
+    layer = _layer(residual_length=3, window_block=4)
+    counts = []
+    for n in [5] + [1] * 10:
+        _fill(layer, [n], seed=n + len(counts))
+        counts.append((layer.num_compressed, layer.num_window))
+    assert counts[0] == (0, 5)
+    assert [c for c, _ in counts] == [0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12]
+    assert all(3 <= w <= 6 for _, w in counts[1:]) and layer.window.capacity <= 6 + 64
+    with pytest.raises(ValueError, match="window_block"):
+        TurboQuantConfig(window_block=0)
+
+
+def test_attention_with_window_blocks_matches_float64_over_dequantized_kv():
+    layer = _layer(residual_length=2, window_block=3, sink_tokens=1, key_centering=True)
+    _fill(layer, [9, 1, 1])
+    out_k, _ = layer.update(*_kv(1, seed=50))
+    plan = getattr(out_k, TAG)
+    assert layer.num_compressed == 9 and layer.num_window == 2  # 1 sink + 8 (6 compressed), 1, 1, then 3 at once
+    query = torch.randn(B, 4, 1, D)
+    keys, values = layer.dequantize(torch.float64)
+    expected = float64_attention(query, keys, values, None, 0.3)
+    assert (compressed_attention(plan, query, None, scaling=0.3).double() - expected).abs().max().item() < 2e-5
+
+
 def test_window_buffer_stays_bounded():
     layer = _layer(residual_length=16)
     _fill(layer, [3] + [1] * 300)
