@@ -247,9 +247,10 @@ class TurboQuantLayer(CacheLayerMixin):
         cfg = self.config
         self.sinks = TokenBuffer(growth=1.0, round_to=1, max_capacity=cfg.sink_tokens)
         self.store = TokenBuffer(growth=STORE_GROWTH, round_to=STORE_ROUND, headroom=STORE_HEADROOM)
-        # A full window holds up to R + window_block - 1 tokens; the slack lets the oldest ones be dropped 64 times
-        # between two moves.
-        window_capacity = cfg.residual_length + cfg.window_block - 1 + WINDOW_SLACK
+        # A full window holds up to R + window_block - 1 tokens. The slack lets the oldest ones be dropped 64 times
+        # between two moves of the live range; a block of up to 65 fits in the same slack (one move per block), so
+        # the default block costs no memory.
+        window_capacity = cfg.residual_length + max(cfg.window_block - 1, WINDOW_SLACK)
         self.window = TokenBuffer(
             growth=2.0, round_to=16, max_capacity=window_capacity, min_capacity=min(window_capacity, WINDOW_EAGER)
         )

@@ -27,6 +27,7 @@ HALF_BITS = (1.5, 2.5, 3.5)  # mixed classes: keys round up, values round down
 # of 4.73x at 32K tokens; 2.5 bits, 192 tokens: +3.87% instead of +4.26%, 5.51x instead of 5.56x.
 PRESET_WINDOWS: dict[int | float, int] = {3: 512, 2.5: 192}
 DEFAULT_WINDOW = 128
+DEFAULT_WINDOW_BLOCK = 64
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -69,8 +70,10 @@ class TurboQuantConfig:
     residual_length : the newest tokens kept exact in the model dtype (default 128; 512 for ``bits=3``, 192 for
         ``bits=2.5``); 0 (with ``sink_tokens=0``) compresses every token before it is attended
     window_block : tokens leaving the exact window are compressed this many at a time, so the window holds
-        ``residual_length`` to ``residual_length + window_block - 1`` tokens (default 1: one per step). Larger
-        blocks launch the compression once per block instead of every decode step.
+        ``residual_length`` to ``residual_length + window_block - 1`` tokens (default 64; 1 when
+        ``residual_length=0``, which keeps "every token compressed before it is attended"). Compression then runs
+        once per block instead of every decode step (end to end on the H200: 1.5-1.6x DynamicCache's decode
+        tokens/s instead of 0.9-1.0x).
     sink_tokens : the first tokens of the sequence kept exact forever (default 4)
     key_centering, value_centering : subtract a per-sequence, per-head, per-channel mean (computed on the first
         prefill) before compressing; exact for attention (default: keys always, values when ``value_bits == 4``)
@@ -128,6 +131,8 @@ class TurboQuantConfig:
             resolved["value_centering"] = resolved["value_bits"] == 4
         if resolved["residual_length"] is None:
             resolved["residual_length"] = PRESET_WINDOWS.get(bits, DEFAULT_WINDOW)
+        if resolved["window_block"] is None:
+            resolved["window_block"] = DEFAULT_WINDOW_BLOCK if resolved["residual_length"] else 1
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
         problem = self._first_problem()
@@ -195,7 +200,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], Any]] = {
     "key_bits": (_parse_int, None),
     "value_bits": (_parse_int, None),
     "residual_length": (_parse_int, None),
-    "window_block": (_parse_int, 1),
+    "window_block": (_parse_int, None),
     "sink_tokens": (_parse_int, 4),
     "key_centering": (_parse_bool, True),
     "value_centering": (_parse_bool, None),

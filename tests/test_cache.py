@@ -31,8 +31,9 @@ def _kv(length: int, batch: int = B, heads: int = H, dim: int = D, dtype=torch.f
 
 
 def _layer(**overrides) -> TurboQuantLayer:
-    # Storage tests reason about token counts and bit-exact codes: no default sinks / centring unless asked for.
-    overrides = {"sink_tokens": 0, "key_centering": False, "value_centering": False, **overrides}
+    # Storage tests reason about token counts and bit-exact codes: no default sinks / centring / window blocks
+    # unless asked for.
+    overrides = {"sink_tokens": 0, "key_centering": False, "value_centering": False, "window_block": 1, **overrides}
     return TurboQuantLayer(TurboQuantConfig(backend="torch", **overrides), layer_idx=0)
 
 

@@ -137,7 +137,7 @@ def test_qjl_scores_are_unbiased_where_the_mse_code_shrinks_them():
 
 # --------------------------------------------------------------------------------------------- in the cache
 def _layer(**overrides) -> TurboQuantLayer:
-    return TurboQuantLayer(TurboQuantConfig(backend="torch", **overrides), layer_idx=0)
+    return TurboQuantLayer(TurboQuantConfig(backend="torch", **{"window_block": 1, **overrides}), layer_idx=0)
 
 
 def _kv(length, seed):

@@ -92,7 +92,7 @@ def test_generate_runs_with_compression_active(mode, residual):
     """Beam reordering, sample expansion and decode through the compressed path; results stay close to exact."""
     model = tiny_model("llama")
     ids = prompt_ids(2, 8, seed=5)
-    cache = TurboQuantCache(residual_length=residual)
+    cache = TurboQuantCache(residual_length=residual, window_block=1)
     got = _generate(model, cache, ids, seed=7, **MODES[mode])
     rows = 2 * MODES[mode].get("num_return_sequences", 1)
     assert got.shape == (rows, 8 + NEW)
@@ -110,7 +110,7 @@ def test_beam_search_runs_over_split_codes(levers):
     """Outlier channels and the QJL key residual through generate(): beam reordering moves their channel orders."""
     model = tiny_model("llama")
     ids = prompt_ids(2, 8, seed=5)
-    cache = TurboQuantCache(residual_length=2, **levers)
+    cache = TurboQuantCache(residual_length=2, window_block=1, **levers)
     got = _generate(model, cache, ids, **MODES["beam"])
     assert got.shape == (2, 8 + NEW)
     layer = cache.layers[0]
@@ -123,7 +123,7 @@ def test_assisted_generation_with_compression_active_crops_the_store():
     model = tiny_model("llama")
     assistant = tiny_model("llama", seed=1, num_hidden_layers=1)
     ids = prompt_ids(1, 8, seed=6)
-    cache = TurboQuantCache(residual_length=2)
+    cache = TurboQuantCache(residual_length=2, window_block=1)
     got = _generate(model, cache, ids, assistant_model=assistant, do_sample=False)
     assert got.shape == (1, 8 + NEW)
     assert cache.get_seq_length() == 8 + NEW - 1
@@ -199,7 +199,7 @@ def smollm2():
 def test_cache_survives_switching_between_inference_mode_no_grad_and_grad():
     model = tiny_model("llama")
     ids = prompt_ids(1, 12, seed=10)
-    cache = TurboQuantCache(residual_length=2)
+    cache = TurboQuantCache(residual_length=2, window_block=1)
     with torch.inference_mode():
         model(ids[:, :8], **cache_kwargs(model, cache), use_cache=True)
     with torch.no_grad():

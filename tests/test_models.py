@@ -45,7 +45,7 @@ def test_family_identical_while_exact_and_close_when_compressed(family):
     exact_cache = TurboQuantCache(residual_length=1024)
     assert torch.equal(_teacher_forced_logits(model, exact_cache, ids, prefill=10), expected)
 
-    cache = TurboQuantCache(residual_length=2)
+    cache = TurboQuantCache(residual_length=2, window_block=1)
     got = _teacher_forced_logits(model, cache, ids, prefill=10)
     spread = (expected - expected.mean(-1, keepdim=True)).norm()
     assert ((got - expected).norm() / spread).item() < 0.15  # TQ4 on random tiny models: 0.02 - 0.06
@@ -67,8 +67,8 @@ def test_family_identical_while_exact_and_close_when_compressed(family):
 def test_cache_built_from_the_model_config_matches_the_lazy_one(family):
     model = tiny_model(family)
     ids = prompt_ids(1, 14, seed=12)
-    lazy = _teacher_forced_logits(model, TurboQuantCache(residual_length=1), ids, prefill=6)
-    typed_cache = TurboQuantCache(model.config, residual_length=1)
+    lazy = _teacher_forced_logits(model, TurboQuantCache(residual_length=1, window_block=1), ids, prefill=6)
+    typed_cache = TurboQuantCache(model.config, residual_length=1, window_block=1)
     assert [type(layer) for layer in typed_cache.layers] == [
         TurboQuantLayer if t == "full_attention" else DynamicSlidingWindowLayer for t, _ in typed_cache._layer_types
     ]
@@ -80,7 +80,7 @@ def test_sinks_and_centring_run_through_a_model():
     model = tiny_model("qwen3")
     ids = prompt_ids(2, 18, seed=13)
     expected = _teacher_forced_logits(model, DynamicCache(), ids, prefill=8)
-    cache = TurboQuantCache(residual_length=3, sink_tokens=2, key_centering=True, value_centering=True, bits=3)
+    cache = TurboQuantCache(residual_length=3, window_block=1, sink_tokens=2, key_centering=True, value_centering=True, bits=3)
     got = _teacher_forced_logits(model, cache, ids, prefill=8)
     assert ((got - expected).norm() / (expected - expected.mean(-1, keepdim=True)).norm()).item() < 0.2
     assert cache.layers[0].num_sink == 2 and cache.layers[0].key_mean is not None
