@@ -1,11 +1,12 @@
 """TurboQuantConfig: every knob of the compressed KV cache, from arguments or ``FLASHQUANT_*`` variables.
 
 Resolution order for each field: an explicit argument, else its environment variable, else the default.
-The defaults are the best settings measured so far (SmolLM2-135M, decode-faithful perplexity, prefix 1024,
-1024 scored tokens, 3 rotation seeds; docs/quality.md): TQ4 with a 128-token exact window and norm correction
-+1.47%; adding 4 exact sink tokens and key centring +0.53%; and value centring +0.48% (value centring is on
-for 4-bit values only: at 3 and 2.5 bits it measured worse). The 3- and 2.5-bit presets add a longer exact window
-(PRESET_WINDOWS): +1.22% at 4.53x and +3.87% at 5.51x compression at 32K tokens.
+The defaults are the best settings measured so far that the CUDA kernels serve (SmolLM2-135M, decode-faithful
+perplexity, prefix 1024, 1024 scored tokens, 3 rotation seeds; docs/quality.md): TQ4 with a 128-token exact window
+and norm correction +1.47%; adding 4 exact sink tokens and key centring +0.53%; value centring +0.48% (on for 4-bit
+values only: at 3 and 2.5 bits it measured worse); tokens leaving the window in blocks of 64 +0.43%. The 3- and
+2.5-bit presets add a longer exact window (PRESET_WINDOWS): +1.19% at 4.53x and +3.76% at 5.51x compression at 32K
+tokens. Outlier channels measured better still (3.5-bit mode +0.43% at 3.86x) but run on the reference only.
 """
 
 from __future__ import annotations
