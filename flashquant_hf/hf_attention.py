@@ -219,25 +219,15 @@ def _compressed_torch(
     scale: float,
     softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch path over the compressed part, any code (bias fp32 [B, Lq, Nc]), in blocks of query rows so a long
-    chunk over a long context never holds all its scores at once."""
-    if query.shape[2] <= TORCH_ROWS:
-        return _compressed_torch_rows(layer, query, bias, scale, softcap)
-    parts = []
-    for r0 in range(0, query.shape[2], TORCH_ROWS):
-        rows = slice(r0, r0 + TORCH_ROWS)
-        parts.append(_compressed_torch_rows(layer, query[:, :, rows], bias[:, rows], scale, softcap))
-    return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
-
-
-def _compressed_torch_rows(
-    layer: TurboQuantLayer,
-    query: torch.Tensor,
-    bias: torch.Tensor,
-    scale: float,
-    softcap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codecs multiply in their rotated spaces, so the compressed K/V are never rebuilt in model space."""
+    """Torch path over the compressed part, any code (bias fp32 [B, Lq, Nc]). The codecs multiply in their rotated
+    spaces, so the compressed K/V are never rebuilt in model space; long chunks run in blocks of TORCH_ROWS query
+    rows so their scores are never all held at once."""
+    if query.shape[2] > TORCH_ROWS:
+        parts = []
+        for r0 in range(0, query.shape[2], TORCH_ROWS):
+            rows = slice(r0, r0 + TORCH_ROWS)
+            parts.append(_compressed_torch(layer, query[:, :, rows], bias[:, rows], scale, softcap))
+        return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = layer.num_heads
     q = query.float().reshape(batch, kv_heads, -1, head_dim)
