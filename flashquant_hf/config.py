@@ -81,7 +81,8 @@ class TurboQuantConfig:
     norm_correction : store ``||x|| / ||centroids[idx]||`` so reconstructions keep the exact norm (default True)
     outlier_channels : channels of each KV head coded with one bit more (keys and values; the paper's mixed-
         precision modes), chosen per sequence and head by their mean square on the first prefill (default 0:
-        off; needs ``key_bits``/``value_bits`` <= 3). Runs on the PyTorch reference path.
+        off; needs codes of <= 3 bits: ``value_bits`` <= 3, ``key_bits`` <= 3, or <= 4 with ``key_qjl``). Runs on
+        the PyTorch reference path.
     key_qjl : keys as a ``key_bits - 1``-bit MSE code plus a 1-bit QJL sketch of the residual (TurboQuant_prod:
         unbiased scores; default False; needs ``key_bits`` >= 2). Runs on the PyTorch reference path.
     rotation : ``"haar"`` (dense random orthogonal) or ``"hadamard"`` (randomized Hadamard; power-of-two head_dim)

@@ -80,7 +80,9 @@ def test_sinks_and_centring_run_through_a_model():
     model = tiny_model("qwen3")
     ids = prompt_ids(2, 18, seed=13)
     expected = _teacher_forced_logits(model, DynamicCache(), ids, prefill=8)
-    cache = TurboQuantCache(residual_length=3, window_block=1, sink_tokens=2, key_centering=True, value_centering=True, bits=3)
+    cache = TurboQuantCache(
+        residual_length=3, window_block=1, sink_tokens=2, key_centering=True, value_centering=True, bits=3
+    )
     got = _teacher_forced_logits(model, cache, ids, prefill=8)
     assert ((got - expected).norm() / (expected - expected.mean(-1, keepdim=True)).norm()).item() < 0.2
     assert cache.layers[0].num_sink == 2 and cache.layers[0].key_mean is not None
