@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="time the paged decode at B=8/32K, 1/128K, 32/8K for every --sweep-options x L2 prefetch "
                              "0/1 (interleaved rounds, one process), then exit")
     parser.add_argument("--sweep-options", nargs="*", default=["", "-DFQD_QK_CHAINS_PAGED=4"])
+    parser.add_argument("--scaling", action="store_true",
+                        help="time the contiguous decode at a fixed CTA count (B=8 with 4 splits, B=32 with 1) over "
+                             "several lengths and fit time = fixed + per-key cost, then exit")
     args = parser.parse_args(argv)
 
     import flashquant_hf.kernels.paged_decode as pd
@@ -57,6 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     scale = HEAD_DIM**-0.5
     if args.sweep:
         _sweep(pd, c, scale, dev, args.sweep_options)
+        return
+    if args.scaling:
+        _scaling(pd, c, scale, dev)
         return
     if args.contiguous:
         sets = _contiguous_query_sets(args.batch, args.keys, dev)
@@ -132,6 +138,53 @@ def _sweep(pd, c, scale, dev, options_list):
         cells = " ".join(f"{'contig' if cont else 'paged'}-B{b}/N{n // 1024}K={statistics.median(results[(v, (b, n, cont))]):.1f}"
                          for b, n, cont in shapes)
         print(f"sweep options={' '.join(v[0]) or '-'} pf={v[1]}: {cells} us")
+
+
+def _scaling(pd, c, scale, dev):
+    """GPU us per call of the contiguous decode at 256 CTAs (B=8 x 8 KV heads x 4 splits; B=32 x 8 x 1 split) for
+    several lengths, and the least-squares line through them: its intercept is the per-call cost that does not
+    grow with the keys (launch, prologue, epilogue, merge, tail)."""
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    planner = pd.plan_decode
+
+    def forced(splits):
+        def plan(units, max_len, head_dim, slots, log2_block_size=None):
+            free = planner(units, max_len, head_dim, slots, log2_block_size)
+            length = -(-max_len // pd.GRANULE) * pd.GRANULE
+            split_len = -(-(-(-length // splits)) // pd.GRANULE) * pd.GRANULE
+            return pd.DecodePlan(splits, split_len, free.shared_mem, free.slots)
+
+        plan.cache_clear = planner.cache_clear
+        return plan
+
+    try:
+        for batch, splits, lengths in ((8, 4, (8192, 16384, 32768, 65536)), (32, 1, (2048, 4096, 8192, 16384))):
+            pd.plan_decode = forced(splits)
+            points = []
+            for keys in lengths:
+                sets = _contiguous_query_sets(batch, keys, dev)
+                pd.clear_caches()
+
+                def fn(s):
+                    return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)
+
+                for i in range(4):
+                    fn(sets[i % len(sets)])
+                us = min(_gpu_us(fn, sets, reps=15) for _ in range(2))
+                points.append((keys, us))
+                print(f"scaling B={batch} splits={splits} N={keys}: {us:.1f} us/call", flush=True)
+                del sets
+                torch.cuda.empty_cache()
+            n = len(points)
+            mx = sum(k for k, _ in points) / n
+            my = sum(u for _, u in points) / n
+            slope = sum((k - mx) * (u - my) for k, u in points) / sum((k - mx) ** 2 for k, _ in points)
+            print(f"scaling B={batch} splits={splits}: fixed {my - slope * mx:.1f} us + {slope * 1024:.2f} us per "
+                  f"1024 keys", flush=True)
+    finally:
+        pd.plan_decode = planner
+        pd.clear_caches()
 
 
 if __name__ == "__main__":

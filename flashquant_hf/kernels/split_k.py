@@ -82,7 +82,7 @@ def launch_merge(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse:
     """Merge fp32 ``outs [S, rows, D]`` (last dim contiguous, 16-byte aligned rows) and ``lses [S, rows]`` into
     contiguous ``out [rows, D]`` and ``lse [rows]`` (no validation: the decode wrappers call this)."""
     splits, rows, head_dim = outs.shape
-    kernel = get_kernel(CUDA_SOURCE, merge_name(head_dim, splits), outs.device)
+    kernel, _ = merge_kernel(head_dim, loader.device_index(outs.device), splits)
     launch(
         kernel, merge_grid(rows), (MERGE_THREADS,),
         (outs, np.int64(outs.stride(0)), np.int64(outs.stride(1)), lses, np.int64(lses.stride(0)),
