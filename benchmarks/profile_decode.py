@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-options", nargs="*", default=["", "-DFQD_QK_CHAINS_PAGED=4"])
     parser.add_argument("--scaling", action="store_true",
                         help="time the contiguous decode at a fixed CTA count (B=8 with 4 splits, B=32 with 1) over "
-                             "several lengths and fit time = fixed + per-key cost, then exit")
+                             "several lengths for every --sweep-options and fit time = fixed + per-key cost, then exit")
     args = parser.parse_args(argv)
 
     import flashquant_hf.kernels.paged_decode as pd
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         _sweep(pd, c, scale, dev, args.sweep_options)
         return
     if args.scaling:
-        _scaling(pd, c, scale, dev)
+        _scaling(pd, c, scale, dev, args.sweep_options)
         return
     if args.contiguous:
         sets = _contiguous_query_sets(args.batch, args.keys, dev)
@@ -140,13 +140,15 @@ def _sweep(pd, c, scale, dev, options_list):
         print(f"sweep options={' '.join(v[0]) or '-'} pf={v[1]}: {cells} us")
 
 
-def _scaling(pd, c, scale, dev):
+def _scaling(pd, c, scale, dev, options_list):
     """GPU us per call of the contiguous decode at 256 CTAs (B=8 x 8 KV heads x 4 splits; B=32 x 8 x 1 split) for
-    several lengths, and the least-squares line through them: its intercept is the per-call cost that does not
-    grow with the keys (launch, prologue, epilogue, merge, tail)."""
+    several lengths and each of ``options_list`` (NVRTC options, plus ``pdl`` for programmatic launches;
+    interleaved), and the least-squares line through
+    them: its intercept is the per-call cost that does not grow with the keys (launch, prologue, epilogue, merge)."""
     from flashquant_hf.kernels.tq_decode import tq_decode
 
     planner = pd.plan_decode
+    default_options, default_pdl = pd.KERNEL_OPTIONS, pd.PROGRAMMATIC_LAUNCH
 
     def forced(splits):
         def plan(units, max_len, head_dim, slots, log2_block_size=None):
@@ -158,32 +160,39 @@ def _scaling(pd, c, scale, dev):
         plan.cache_clear = planner.cache_clear
         return plan
 
+    def fn(s):
+        return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)
+
     try:
-        for batch, splits, lengths in ((8, 4, (8192, 16384, 32768, 65536)), (32, 1, (2048, 4096, 8192, 16384))):
+        for batch, splits, lengths in ((32, 1, (16, 128, 2048, 8192)), (8, 4, (8192, 32768))):
             pd.plan_decode = forced(splits)
-            points = []
+            points = {o: [] for o in options_list}
             for keys in lengths:
                 sets = _contiguous_query_sets(batch, keys, dev)
-                pd.clear_caches()
-
-                def fn(s):
-                    return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)
-
-                for i in range(4):
-                    fn(sets[i % len(sets)])
-                us = min(_gpu_us(fn, sets, reps=15) for _ in range(2))
-                points.append((keys, us))
-                print(f"scaling B={batch} splits={splits} N={keys}: {us:.1f} us/call", flush=True)
+                for _ in range(2):
+                    for options in options_list:
+                        pd.KERNEL_OPTIONS = tuple(o for o in options.split() if o != "pdl")
+                        pd.PROGRAMMATIC_LAUNCH = "pdl" in options.split()
+                        pd.clear_caches()
+                        for i in range(4):
+                            fn(sets[i % len(sets)])
+                        points[options].append((keys, _gpu_us(fn, sets, reps=15)))
                 del sets
                 torch.cuda.empty_cache()
-            n = len(points)
-            mx = sum(k for k, _ in points) / n
-            my = sum(u for _, u in points) / n
-            slope = sum((k - mx) * (u - my) for k, u in points) / sum((k - mx) ** 2 for k, _ in points)
-            print(f"scaling B={batch} splits={splits}: fixed {my - slope * mx:.1f} us + {slope * 1024:.2f} us per "
-                  f"1024 keys", flush=True)
+            for options in options_list:
+                best = {}
+                for keys, us in points[options]:
+                    best[keys] = min(us, best.get(keys, float("inf")))
+                cells = " ".join(f"N={k}:{u:.1f}" for k, u in best.items())
+                fit = [(k, u) for k, u in best.items() if k >= 2048]
+                mx = sum(k for k, _ in fit) / len(fit)
+                my = sum(u for _, u in fit) / len(fit)
+                slope = sum((k - mx) * (u - my) for k, u in fit) / sum((k - mx) ** 2 for k, _ in fit)
+                print(f"scaling B={batch} splits={splits} options={options or '-'}: {cells} us; fit N>=2K: fixed "
+                      f"{my - slope * mx:.1f} us + {slope * 1024:.2f} us per 1024 keys", flush=True)
     finally:
         pd.plan_decode = planner
+        pd.KERNEL_OPTIONS, pd.PROGRAMMATIC_LAUNCH = default_options, default_pdl
         pd.clear_caches()
 
 

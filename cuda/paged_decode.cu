@@ -28,6 +28,8 @@
 // W warps per CTA: 4 (two 16-key tiles per warp iteration, 168 registers, 3 CTAs per SM) or 8 (D <= 128 only: one
 // tile per iteration in <= 128 registers, 2 CTAs x 8 warps per SM sharing one pair of tables per CTA).
 
+#include "grid_dependency.cuh"
+
 namespace fqd {
 
 typedef unsigned int u32;
@@ -56,6 +58,17 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #endif
 #ifndef FQD_MIN_BLOCKS_W8
 #define FQD_MIN_BLOCKS_W8 2
+#endif
+// Prologue order (experiment): 1 loads the queries and one centroid per lane before building the tables (built
+// from shuffles of those centroids), so the two memory latencies overlap; 0 loads the queries, reduces their
+// scale, then builds the tables from global loads of the centroids.
+#ifndef FQD_EARLY_PROLOGUE
+#define FQD_EARLY_PROLOGUE 0
+#endif
+// Timing ablations only (wrong results): bit 1 skips the table build, bit 2 the query load, bit 4 the cross-warp
+// reduction (warp 0 writes its own state), bit 8 returns at once (the launch alone).
+#ifndef FQD_ABLATE
+#define FQD_ABLATE 0
 #endif
 enum { kPartK = 1, kPartV = 2, kPartKV = 3 };  // which half of a tile a load fetches
 
@@ -171,6 +184,27 @@ __device__ __forceinline__ float load_query(const void* q, long long index) {
       float f;
       asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
       return f;
+    }
+  }
+}
+
+// Four consecutive query elements from one aligned vector load (fp16/bf16: 8 bytes, fp32: 16 bytes).
+template <int QK>
+__device__ __forceinline__ void load_query4(float (&x)[4], const void* q, long long index) {
+  if constexpr (QK == kQFloat) {
+    const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(q) + index);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(q) + index);
+    const u32 w[2] = {v.x, v.y};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const unsigned short bits = static_cast<unsigned short>(w[i >> 1] >> (16 * (i & 1)));
+      if constexpr (QK == kQBf16) {
+        x[i] = __uint_as_float(static_cast<u32>(bits) << 16);
+      } else {
+        asm("cvt.f32.f16 %0, %1;" : "=f"(x[i]) : "h"(bits));
+      }
     }
   }
 }
@@ -581,6 +615,13 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   constexpr bool F16PV = QK == kQHalf;
   extern __shared__ __align__(16) unsigned char smem[];
 
+#if FQD_ABLATE & 8
+  return;  // launch cost only
+#endif
+  // Under programmatic dependent launch this grid may start while the previous kernel of the stream runs: wait for
+  // it (and its memory) before reading any input or writing a partial the previous merge may still read. A no-op
+  // for ordinary launches.
+  grid_dependency_wait();
   const int split = blockIdx.x;
   const int head_groups = (group + 7) >> 3;
   const int h = blockIdx.y / head_groups;
@@ -645,44 +686,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   // Q^T fragments: head g of this group, dims t*D/4 + 4kk + {0,1} and {2,3}; missing heads are zero. The
   // queries are multiplied by 2^-e so that their largest magnitude lies in [2^14, 2^15) (exact; fp16 range and
   // full fp16 precision for any input scale); 2^e goes back into the score scale.
-  u32 qf[T::kSteps][2];
-  {
-    const bool valid = g < nh;
-    const long long base = static_cast<long long>(b) * q_sb + static_cast<long long>(hq0 + (valid ? g : 0)) * q_sh;
-    float x[T::kSteps][4];
-    float amax = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < T::kSteps; ++kk) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int d = t * (D / 4) + 4 * kk + i;
-        x[kk][i] = valid ? load_query<QK>(q, base + d * q_sd) : 0.f;
-        amax = fmaxf(amax, fabsf(x[kk][i]));
-      }
-    }
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const int biased = static_cast<int>((__float_as_uint(amax) >> 23) & 0xFFu);
-    const int e = biased == 0 ? 0 : max(-120, min(120, biased - 127 - 14));
-    const float down = __uint_as_float(static_cast<u32>(127 - e) << 23);  // 2^-e
-    scale_log2 *= __uint_as_float(static_cast<u32>(127 + e) << 23);      // 2^e
-#pragma unroll
-    for (int kk = 0; kk < T::kSteps; ++kk) {
-      qf[kk][0] = pack2<true>(x[kk][0] * down, x[kk][1] * down);
-      qf[kk][1] = pack2<true>(x[kk][2] * down, x[kk][3] * down);
-    }
-  }
-
-  WarpState<D> st;
-#pragma unroll
-  for (int m = 0; m < T::kMTiles; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
-  st.m[0] = st.m[1] = -inf();
-  st.mu[0] = st.mu[1] = 0.f;
-  st.l[0] = st.l[1] = 0.f;
-
-
-  const Lut lut_k(lane, 0);
-  const Lut lut_v(lane, 1);
   const int last = s1 - 1;
   const int nchunks = (s1 - s0 + T::kChunk - 1) / T::kChunk;
   // Warps take chunks round-robin, with the registers of two chunks swapping roles (each loop iteration runs two
@@ -700,30 +703,109 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   constexpr bool kSplitLoads = MODE != kPaged;
   constexpr int kAhead = kSplitLoads ? kPartV : kPartKV;  // what is loaded for chunk c + kWarps when c starts
   Tile<D> bufa[T::kTiles], bufb[T::kTiles];
+  auto first_loads = [&]() {
+    if (c < nchunks) {
+#pragma unroll
+      for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartKV>(bufa[j], tile_at(c, j), last);
+    }
+    if (kSplitLoads && c + kWarps < nchunks) {
+#pragma unroll
+      for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], tile_at(c + kWarps, j), last);
+    }
+  };
+  // The contiguous layouts need no shared block table, so their first tiles can be in flight during the prologue.
+  constexpr bool kLoadsFirst = FQD_EARLY_PROLOGUE >= 2 && MODE != kPaged;
+  if constexpr (kLoadsFirst) first_loads();
+
+  u32 qf[T::kSteps][2];
+  float x[T::kSteps][4];
+  {
+    const bool valid = g < nh && (FQD_ABLATE & 2) == 0;
+    const long long base = static_cast<long long>(b) * q_sb + static_cast<long long>(hq0 + (valid ? g : 0)) * q_sh;
+    constexpr int kElem = QK == kQFloat ? 4 : 2;
+    const bool vector = FQD_EARLY_PROLOGUE >= 2 && q_sd == 1 &&
+                        ((reinterpret_cast<unsigned long long>(q) + base * kElem) & (4 * kElem - 1)) == 0;
+    if (valid && vector) {
+#pragma unroll
+      for (int kk = 0; kk < T::kSteps; ++kk) load_query4<QK>(x[kk], q, base + t * (D / 4) + 4 * kk);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < T::kSteps; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int d = t * (D / 4) + 4 * kk + i;
+          x[kk][i] = valid ? load_query<QK>(q, base + d * q_sd) : ((FQD_ABLATE & 2) ? 1.f : 0.f);
+        }
+      }
+    }
+  }
+#if FQD_EARLY_PROLOGUE
+  // Lanes 0-15 hold the key centroids, 16-31 the value centroids: the table build shuffles them.
+  const float centroid = lane < 16 ? k_cent[lane] : v_cent[lane - 16];
+#endif
+  // The queries are multiplied by 2^-e so that their largest magnitude lies in [2^14, 2^15) (exact; fp16 range
+  // and full fp16 precision for any input scale); 2^e goes back into the score scale. Q^T fragments: head g of
+  // this group, dims t*D/4 + 4kk + {0,1} and {2,3}; missing heads are zero.
+  auto scale_queries = [&]() {
+    float amax = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < T::kSteps; ++kk) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(x[kk][i]));
+    }
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const int biased = static_cast<int>((__float_as_uint(amax) >> 23) & 0xFFu);
+    const int e = biased == 0 ? 0 : max(-120, min(120, biased - 127 - 14));
+    const float down = __uint_as_float(static_cast<u32>(127 - e) << 23);  // 2^-e
+    scale_log2 *= __uint_as_float(static_cast<u32>(127 + e) << 23);      // 2^e
+#pragma unroll
+    for (int kk = 0; kk < T::kSteps; ++kk) {
+      qf[kk][0] = pack2<true>(x[kk][0] * down, x[kk][1] * down);
+      qf[kk][1] = pack2<true>(x[kk][2] * down, x[kk][3] * down);
+    }
+  };
+#if !FQD_EARLY_PROLOGUE
+  scale_queries();
+#endif
+
+  WarpState<D> st;
+#pragma unroll
+  for (int m = 0; m < T::kMTiles; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
+  st.m[0] = st.m[1] = -inf();
+  st.mu[0] = st.mu[1] = 0.f;
+  st.l[0] = st.l[1] = 0.f;
+
+
+  const Lut lut_k(lane, 0);
+  const Lut lut_v(lane, 1);
   // Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
   // (16-byte stores fill 4 lanes' copies). (Issuing the first tile loads before the build measured no faster.)
   {
     const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFFFFu;  // low bits: CTA window
     if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
     unsigned char* const table = smem + (kLutWindow - window);
-    for (int i = tid; i < 2 * 256 * 8; i += kThreads) {
+    for (int i = tid; i < 2 * 256 * 8 && (FQD_ABLATE & 1) == 0; i += kThreads) {
       const int tab = i >> 11, e = (i >> 3) & 255, grp = i & 7;
+#if FQD_EARLY_PROLOGUE
+      // i advances by whole warps, so the warp is converged and `tab` is uniform over it.
+      const float hi = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e >> 4));
+      const float lo = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e & 15));
+      const u32 val = tab ? pack2<F16PV>(hi, lo) : pack2<true>(hi, lo);
+#else
       const u32 val = tab ? pack2<F16PV>(v_cent[e >> 4], v_cent[e & 15]) : pack2<true>(k_cent[e >> 4], k_cent[e & 15]);
+#endif
       *reinterpret_cast<uint4*>(table + e * 256 + tab * 128 + grp * 16) = make_uint4(val, val, val, val);
     }
   }
+#if FQD_EARLY_PROLOGUE
+  scale_queries();
+#endif
   __syncthreads();  // tables and pages are ready
   for (int i = 1; i <= prefetch; ++i) {
     if (c + i * kWarps < nchunks) kv.prefetch_chunk(tile_at(c + i * kWarps, 0), last, T::kChunk);
   }
-  if (c < nchunks) {
-#pragma unroll
-    for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartKV>(bufa[j], tile_at(c, j), last);
-  }
-  if (kSplitLoads && c + kWarps < nchunks) {
-#pragma unroll
-    for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], tile_at(c + kWarps, j), last);
-  }
+  if constexpr (!kLoadsFirst) first_loads();
   auto step = [&](Tile<D>(&cur)[T::kTiles], Tile<D>(&nxt)[T::kTiles]) {
     const int cn = c + kWarps, ck = c + 2 * kWarps;
     if (cn < nchunks) {
@@ -746,6 +828,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   while (c < nchunks && step(bufa, bufb) && step(bufb, bufa)) {
   }
 
+  // The merge (launched programmatically) may now be scheduled; it waits for this grid to finish.
+  grid_dependents_launch();
   // Denominators: sum the lane partials over the 8 lanes of each head column.
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
@@ -753,6 +837,17 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     st.l[1] += __shfl_xor_sync(0xffffffffu, st.l[1], off);
   }
 
+#if FQD_ABLATE & 4
+  if (warp == 0 && g == 0) {
+    for (int m = 0; m < T::kMTiles; ++m) {
+      const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + (2 * t) % nh;
+      part_out[row * D + 2 * m] = st.acc[m][0] / st.l[0];
+    }
+    const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + (2 * t) % nh;
+    part_lse[row] = st.m[0];
+  }
+  return;
+#endif
   // Merge the W warps through shared memory (the tables are dead now).
   __syncthreads();
   float* red_acc = reinterpret_cast<float*>(smem);            // [kWarps][8][D]

@@ -9,6 +9,8 @@
 // so the S row reads do not wait on each other: a row with 32 splits (B=1, N=128K decode) at D <= 128 costs two
 // L2 round trips (lses, then every row read), not 32 (the serial loop took 16.5 us there, H200 ncu). D = 0 selects a generic loop over any head_dim.
 
+#include "grid_dependency.cuh"
+
 namespace fqr {
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -69,6 +71,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock)
 split_k_merge(const float* __restrict__ outs, long long o_ss, long long o_sr, const float* __restrict__ lses,
               long long l_ss, long long l_sr, float* __restrict__ out, float* __restrict__ lse, int num_splits,
               int rows, int head_dim) {
+  grid_dependency_wait();  // the partials come from the decode or prefill grid launched just before
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;

@@ -130,3 +130,20 @@ def test_collapse_rows_merges_only_uniform_dims():
     assert collapse_rows([2, 8, 10], [10 * 8 * 128, 128, 8 * 128]) == ([2, 8, 10], [[10240, 128, 1024]])
     assert collapse_rows([2, 1, 3, 5], [15, 99, 5, 1]) == ([1, 1, 30], [[0, 0, 1]])
     assert collapse_rows([2, 3, 5, 7], [1, 2, 6, 30]) is None
+
+
+def test_launch_config_structs_follow_the_driver_abi():
+    """cuLaunchKernelEx reads these structs by offset (cuda.h, CUDA 12/13 on 64-bit Linux): CUlaunchAttribute is
+    an int id, 4 bytes of padding and a 64-byte value union; CUlaunchConfig puts the stream after 7 uints."""
+    import ctypes
+
+    assert ctypes.sizeof(loader._LaunchAttribute) == 72
+    assert loader._LaunchAttribute.value.offset == 8
+    assert loader._LaunchConfig.shared_mem.offset == 24
+    assert loader._LaunchConfig.stream.offset == 32
+    assert loader._LaunchConfig.attrs.offset == 40
+    assert loader._LaunchConfig.num_attrs.offset == 48
+    attribute = loader._LaunchAttribute(id=6)
+    attribute.value.flag = 1
+    raw = bytes(attribute)
+    assert raw[:4] == (6).to_bytes(4, "little") and raw[8:12] == (1).to_bytes(4, "little")

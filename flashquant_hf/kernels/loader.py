@@ -182,15 +182,69 @@ def _raw_stream(index: int) -> int:
     return getter(index) if getter is not None else torch.cuda.current_stream(index).cuda_stream
 
 
+class _LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: a 64-byte union
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+@functools.cache
+def _launch_kernel_ex():
+    """``cuLaunchKernelEx`` from the driver library and one programmatic-serialization attribute, or None."""
+    try:
+        library = ctypes.CDLL("libcuda.so.1")
+        function = library.cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value.flag = 1
+    return function, attribute
+
+
+def _launch_programmatic(function: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream: int,
+                         params: int) -> bool:
+    """Launch with programmatic stream serialization: the grid may start while the previous kernel in the stream
+    is finishing; it must execute ``griddepcontrol.wait`` before touching memory that kernel wrote. False (nothing
+    launched) when the driver has no ``cuLaunchKernelEx`` or no current context."""
+    found = _launch_kernel_ex()
+    if found is None:
+        return False
+    launch_ex, attribute = found
+    config = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, shared_mem, stream, ctypes.pointer(attribute), 1)
+    status = launch_ex(ctypes.byref(config), function, params, None)
+    if status == _CUDA_ERROR_INVALID_CONTEXT:
+        return False
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
+    return True
+
+
 def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int, args: Sequence[Any],
-                  device_index: int, shared_mem: int = 0, fast: bool = True) -> None:
+                  device_index: int, shared_mem: int = 0, fast: bool = True, programmatic: bool = False) -> None:
     """Launch ``kernel`` (CUfunction ``function``, see :func:`function_ptr`) on torch's current stream of
     ``device_index`` through its cached parameter array.
 
     Falls back to :func:`launch` (CuPy's conversion) when ``fast`` is off, torch's current device is another one,
     or the driver refuses the context before launching. Every call of one kernel must pass the same argument
     types (pointers as tensors or ``np.uint64``, ``np.int64`` / int / float scalars). Kernels with compile-time
-    ``__cluster_dims__`` launch like any other (the cluster shape is not a launch attribute).
+    ``__cluster_dims__`` launch like any other (the cluster shape is not a launch attribute). ``programmatic``
+    launches through ``cuLaunchKernelEx`` with programmatic stream serialization (programmatic dependent launch)
+    for kernels that wait on their predecessor with ``griddepcontrol.wait``.
     """
     if fast and torch.cuda.current_device() == device_index:
         import cupy
@@ -208,9 +262,12 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
         try:
             # The kernel lives in the device's primary context, current once torch has used the device here.
             with block_args.lock:
+                params = block_args.fill(args)
+                stream = _raw_stream(device_index)
+                if programmatic and _launch_programmatic(function, grid, block, shared_mem, stream, params):
+                    return
                 cupy.cuda.driver.launchKernel(
-                    function, grid[0], grid[1], grid[2], block, 1, 1, shared_mem, _raw_stream(device_index),
-                    block_args.fill(args), 0,
+                    function, grid[0], grid[1], grid[2], block, 1, 1, shared_mem, stream, params, 0,
                 )
             return
         except cupy.cuda.driver.CUDADriverError as error:  # e.g. no current context on this thread: nothing ran

@@ -65,6 +65,9 @@ PARTIAL_KEYS = 64  # cost of writing + merging one partial result, in keys
 # Launch through cached cuLaunchKernel parameter arrays (kernels.loader.launch_cached) instead of CuPy's per-argument
 # conversion: 51 instead of 102 us of host time per call on the H200 host (docs/kernels_decode.md, version 3).
 FAST_LAUNCH = True
+# Programmatic dependent launch (sm_90): the decode and merge kernels launch while their predecessor in the stream
+# finishes and wait for it (griddepcontrol.wait) before touching memory, so launch latency overlaps its tail.
+PROGRAMMATIC_LAUNCH = os.environ.get("FQ_DECODE_PROGRAMMATIC_LAUNCH", "0") == "1"
 # Merge the splits inside the decode kernel (the last CTA of each unit, by an atomic ticket) instead of a second
 # kernel (docs/kernels_decode.md, version 5). Off until measured faster on the H200.
 FUSED_MERGE = False
@@ -228,8 +231,10 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_sha
 
 def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int, args: tuple, device_index: int,
                   shared_mem: int = 0) -> None:
-    """:func:`flashquant_hf.kernels.loader.launch_cached` with this module's ``FAST_LAUNCH`` switch."""
-    loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH)
+    """:func:`flashquant_hf.kernels.loader.launch_cached` with this module's ``FAST_LAUNCH`` and
+    ``PROGRAMMATIC_LAUNCH`` switches."""
+    loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH,
+                         PROGRAMMATIC_LAUNCH)
 
 
 def run_decode(

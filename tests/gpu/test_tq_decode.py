@@ -145,6 +145,19 @@ def test_tq_decode_non_contiguous_query_and_norms():
     assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["misaligned", "strided"])
+def test_tq_decode_queries_the_vector_load_cannot_take(layout, dtype):
+    """Queries one element off the vector alignment, or with a head-dim stride of 2, take the scalar loads."""
+    cache = random_cache(2, 2, 333, 128, seed=12)
+    if layout == "misaligned":
+        q = torch.randn(2, 8, 1, 129, device=DEV, dtype=dtype)[..., 1:]
+    else:
+        q = torch.randn(2, 8, 1, 256, device=DEV, dtype=dtype)[..., ::2]
+    c = centroids(128)
+    assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
+
+
 def test_tq_decode_key_bias_padding():
     batch, num_keys = 3, 500
     cache = random_cache(batch, 2, num_keys, 128, seed=11)
@@ -238,6 +251,33 @@ def test_tq_decode_fast_launch_matches_cupy_launch(monkeypatch):
         slow = run(q, cache, c)
         assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
         assert_close_rel(*fast, *reference64(q, cache, c))
+
+
+def test_tq_decode_programmatic_launch_back_to_back(monkeypatch):
+    """Programmatic dependent launches of many multi-split calls queued without a sync (each decode overwrites the
+    partials the previous merge reads) give the bits of ordinary launches; a launch without cuLaunchKernelEx
+    falls back."""
+    import flashquant_hf.kernels.loader as loader
+    import flashquant_hf.kernels.paged_decode as pd
+
+    c = centroids(128)
+    k, kn, v, vn = random_cache(4, 2, 9000, 128, capacity_extra=50, seed=41)
+    cache = (k, kn, v, vn)
+    queries = [torch.randn(4, 8, 1, 128, device=DEV, dtype=torch.bfloat16) for _ in range(12)]
+    results = {}
+    for programmatic in (False, True):
+        monkeypatch.setattr(pd, "PROGRAMMATIC_LAUNCH", programmatic)
+        pd.clear_caches()
+        results[programmatic] = [run(q, cache, c) for q in queries]
+        torch.cuda.synchronize()
+    assert pd._LAUNCHES and next(iter(pd._LAUNCHES.values())).plan.splits > 1
+    for (p_out, p_lse), (o_out, o_lse) in zip(results[True], results[False]):
+        assert torch.equal(p_out, o_out) and torch.equal(p_lse, o_lse)
+    assert_close_rel(*results[True][-1], *reference64(queries[-1], cache, c))
+    monkeypatch.setattr(pd, "PROGRAMMATIC_LAUNCH", True)
+    monkeypatch.setattr(loader, "_launch_kernel_ex", lambda: None)
+    fallback = run(queries[0], cache, c)
+    assert torch.equal(fallback[0], results[False][0][0])
 
 
 @pytest.mark.parametrize("warps", [4, 8])
