@@ -70,6 +70,9 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #ifndef FQD_ABLATE
 #define FQD_ABLATE 0
 #endif
+#ifndef FQD_TABLES_BEFORE_WAIT
+#define FQD_TABLES_BEFORE_WAIT 0
+#endif
 enum { kPartK = 1, kPartV = 2, kPartKV = 3 };  // which half of a tile a load fetches
 
 template <int D, int W = 4>
@@ -229,6 +232,31 @@ struct Lut {
     return value;
   }
 };
+
+// Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
+// (16-byte stores fill 4 lanes' copies), at the fixed window address kLutWindow. With `shuffle`, lane l holds
+// centroid l (keys) or l - 16 (values) and the entries come from shuffles (one global load per lane instead of
+// two per entry).
+template <bool F16PV, int kThreads, bool kShuffle>
+__device__ __forceinline__ void build_tables(unsigned char* smem, const float* k_cent, const float* v_cent,
+                                             float centroid) {
+  const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFFFFu;  // low bits: CTA window
+  if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
+  unsigned char* const table = smem + (kLutWindow - window);
+  for (int i = threadIdx.x; i < 2 * 256 * 8 && (FQD_ABLATE & 1) == 0; i += kThreads) {
+    const int tab = i >> 11, e = (i >> 3) & 255, grp = i & 7;
+    u32 val;
+    if constexpr (kShuffle) {
+      // i advances by whole warps, so the warp is converged and `tab` is uniform over it.
+      const float hi = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e >> 4));
+      const float lo = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e & 15));
+      val = tab ? pack2<F16PV>(hi, lo) : pack2<true>(hi, lo);
+    } else {
+      val = tab ? pack2<F16PV>(v_cent[e >> 4], v_cent[e & 15]) : pack2<true>(k_cent[e >> 4], k_cent[e & 15]);
+    }
+    *reinterpret_cast<uint4*>(table + e * 256 + tab * 128 + grp * 16) = make_uint4(val, val, val, val);
+  }
+}
 
 // Registers of one 16-key tile for lane (g, t).
 template <int D>
@@ -621,6 +649,14 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   // Under programmatic dependent launch this grid may start while the previous kernel of the stream runs: wait for
   // it (and its memory) before reading any input or writing a partial the previous merge may still read. A no-op
   // for ordinary launches.
+  // Experiment (FQD_TABLES_BEFORE_WAIT): build the tables before waiting, which is only correct when the centroids
+  // were not written by the kernel launched just before.
+  constexpr bool kTablesBeforeWait = FQD_TABLES_BEFORE_WAIT != 0;
+  if constexpr (kTablesBeforeWait) {
+    const int lane0 = threadIdx.x & 31;
+    build_tables<QK == kQHalf, Traits<D, W>::kThreads, true>(smem, k_cent, v_cent,
+                                                               lane0 < 16 ? k_cent[lane0] : v_cent[lane0 - 16]);
+  }
   grid_dependency_wait();
   const int split = blockIdx.x;
   const int head_groups = (group + 7) >> 3;
@@ -739,10 +775,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       }
     }
   }
-#if FQD_EARLY_PROLOGUE
-  // Lanes 0-15 hold the key centroids, 16-31 the value centroids: the table build shuffles them.
-  const float centroid = lane < 16 ? k_cent[lane] : v_cent[lane - 16];
-#endif
+  // Lanes 0-15 hold the key centroids, 16-31 the value centroids when the table build shuffles them.
+  const float centroid = FQD_EARLY_PROLOGUE && !kTablesBeforeWait ? (lane < 16 ? k_cent[lane] : v_cent[lane - 16]) : 0.f;
   // The queries are multiplied by 2^-e so that their largest magnitude lies in [2^14, 2^15) (exact; fp16 range
   // and full fp16 precision for any input scale); 2^e goes back into the score scale. Q^T fragments: head g of
   // this group, dims t*D/4 + 4kk + {0,1} and {2,3}; missing heads are zero.
@@ -779,25 +813,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 
   const Lut lut_k(lane, 0);
   const Lut lut_v(lane, 1);
-  // Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
-  // (16-byte stores fill 4 lanes' copies). (Issuing the first tile loads before the build measured no faster.)
-  {
-    const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFFFFu;  // low bits: CTA window
-    if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
-    unsigned char* const table = smem + (kLutWindow - window);
-    for (int i = tid; i < 2 * 256 * 8 && (FQD_ABLATE & 1) == 0; i += kThreads) {
-      const int tab = i >> 11, e = (i >> 3) & 255, grp = i & 7;
-#if FQD_EARLY_PROLOGUE
-      // i advances by whole warps, so the warp is converged and `tab` is uniform over it.
-      const float hi = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e >> 4));
-      const float lo = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e & 15));
-      const u32 val = tab ? pack2<F16PV>(hi, lo) : pack2<true>(hi, lo);
-#else
-      const u32 val = tab ? pack2<F16PV>(v_cent[e >> 4], v_cent[e & 15]) : pack2<true>(k_cent[e >> 4], k_cent[e & 15]);
-#endif
-      *reinterpret_cast<uint4*>(table + e * 256 + tab * 128 + grp * 16) = make_uint4(val, val, val, val);
-    }
-  }
+  // (Issuing the first tile loads before the build measured no faster in version 6.)
+  if constexpr (!kTablesBeforeWait) build_tables<F16PV, kThreads, FQD_EARLY_PROLOGUE != 0>(smem, k_cent, v_cent, centroid);
 #if FQD_EARLY_PROLOGUE
   scale_queries();
 #endif
