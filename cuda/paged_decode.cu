@@ -59,19 +59,10 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #ifndef FQD_MIN_BLOCKS_W8
 #define FQD_MIN_BLOCKS_W8 2
 #endif
-// Prologue order (experiment): 1 loads the queries and one centroid per lane before building the tables (built
-// from shuffles of those centroids), so the two memory latencies overlap; 0 loads the queries, reduces their
-// scale, then builds the tables from global loads of the centroids.
-#ifndef FQD_EARLY_PROLOGUE
-#define FQD_EARLY_PROLOGUE 0
-#endif
 // Timing ablations only (wrong results): bit 1 skips the table build, bit 2 the query load, bit 4 the cross-warp
 // reduction (warp 0 writes its own state), bit 8 returns at once (the launch alone).
 #ifndef FQD_ABLATE
 #define FQD_ABLATE 0
-#endif
-#ifndef FQD_TABLES_BEFORE_WAIT
-#define FQD_TABLES_BEFORE_WAIT 0
 #endif
 enum { kPartK = 1, kPartV = 2, kPartKV = 3 };  // which half of a tile a load fetches
 
@@ -234,26 +225,19 @@ struct Lut {
 };
 
 // Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
-// (16-byte stores fill 4 lanes' copies), at the fixed window address kLutWindow. With `shuffle`, lane l holds
-// centroid l (keys) or l - 16 (values) and the entries come from shuffles (one global load per lane instead of
-// two per entry).
-template <bool F16PV, int kThreads, bool kShuffle>
-__device__ __forceinline__ void build_tables(unsigned char* smem, const float* k_cent, const float* v_cent,
-                                             float centroid) {
+// (16-byte stores fill 4 lanes' copies), at the fixed window address kLutWindow. Lane l holds centroid l (keys)
+// or l - 16 (values) and the entries come from shuffles: one global load per lane instead of two per entry.
+template <bool F16PV, int kThreads>
+__device__ __forceinline__ void build_tables(unsigned char* smem, float centroid) {
   const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFFFFu;  // low bits: CTA window
   if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
   unsigned char* const table = smem + (kLutWindow - window);
   for (int i = threadIdx.x; i < 2 * 256 * 8 && (FQD_ABLATE & 1) == 0; i += kThreads) {
     const int tab = i >> 11, e = (i >> 3) & 255, grp = i & 7;
-    u32 val;
-    if constexpr (kShuffle) {
-      // i advances by whole warps, so the warp is converged and `tab` is uniform over it.
-      const float hi = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e >> 4));
-      const float lo = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e & 15));
-      val = tab ? pack2<F16PV>(hi, lo) : pack2<true>(hi, lo);
-    } else {
-      val = tab ? pack2<F16PV>(v_cent[e >> 4], v_cent[e & 15]) : pack2<true>(k_cent[e >> 4], k_cent[e & 15]);
-    }
+    // i advances by whole warps, so the warp is converged and `tab` is uniform over it.
+    const float hi = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e >> 4));
+    const float lo = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e & 15));
+    const u32 val = tab ? pack2<F16PV>(hi, lo) : pack2<true>(hi, lo);
     *reinterpret_cast<uint4*>(table + e * 256 + tab * 128 + grp * 16) = make_uint4(val, val, val, val);
   }
 }
@@ -649,14 +633,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   // Under programmatic dependent launch this grid may start while the previous kernel of the stream runs: wait for
   // it (and its memory) before reading any input or writing a partial the previous merge may still read. A no-op
   // for ordinary launches.
-  // Experiment (FQD_TABLES_BEFORE_WAIT): build the tables before waiting, which is only correct when the centroids
-  // were not written by the kernel launched just before.
-  constexpr bool kTablesBeforeWait = FQD_TABLES_BEFORE_WAIT != 0;
-  if constexpr (kTablesBeforeWait) {
-    const int lane0 = threadIdx.x & 31;
-    build_tables<QK == kQHalf, Traits<D, W>::kThreads, true>(smem, k_cent, v_cent,
-                                                               lane0 < 16 ? k_cent[lane0] : v_cent[lane0 - 16]);
-  }
   grid_dependency_wait();
   const int split = blockIdx.x;
   const int head_groups = (group + 7) >> 3;
@@ -750,7 +726,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     }
   };
   // The contiguous layouts need no shared block table, so their first tiles can be in flight during the prologue.
-  constexpr bool kLoadsFirst = FQD_EARLY_PROLOGUE >= 2 && MODE != kPaged;
+  constexpr bool kLoadsFirst = MODE != kPaged;
   if constexpr (kLoadsFirst) first_loads();
 
   u32 qf[T::kSteps][2];
@@ -759,7 +735,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     const bool valid = g < nh && (FQD_ABLATE & 2) == 0;
     const long long base = static_cast<long long>(b) * q_sb + static_cast<long long>(hq0 + (valid ? g : 0)) * q_sh;
     constexpr int kElem = QK == kQFloat ? 4 : 2;
-    const bool vector = FQD_EARLY_PROLOGUE >= 2 && q_sd == 1 &&
+    const bool vector = q_sd == 1 &&
                         ((reinterpret_cast<unsigned long long>(q) + base * kElem) & (4 * kElem - 1)) == 0;
     if (valid && vector) {
 #pragma unroll
@@ -775,12 +751,25 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       }
     }
   }
-  // Lanes 0-15 hold the key centroids, 16-31 the value centroids when the table build shuffles them.
-  const float centroid = FQD_EARLY_PROLOGUE && !kTablesBeforeWait ? (lane < 16 ? k_cent[lane] : v_cent[lane - 16]) : 0.f;
+  // Lanes 0-15 hold the key centroids, 16-31 the value centroids; the table build shuffles them.
+  const float centroid = lane < 16 ? k_cent[lane] : v_cent[lane - 16];
+
+  WarpState<D> st;
+#pragma unroll
+  for (int m = 0; m < T::kMTiles; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
+  st.m[0] = st.m[1] = -inf();
+  st.mu[0] = st.mu[1] = 0.f;
+  st.l[0] = st.l[1] = 0.f;
+
+
+  const Lut lut_k(lane, 0);
+  const Lut lut_v(lane, 1);
+  // The table build runs while the query (and, contiguous, the first tile) loads are in flight.
+  build_tables<F16PV, kThreads>(smem, centroid);
   // The queries are multiplied by 2^-e so that their largest magnitude lies in [2^14, 2^15) (exact; fp16 range
   // and full fp16 precision for any input scale); 2^e goes back into the score scale. Q^T fragments: head g of
   // this group, dims t*D/4 + 4kk + {0,1} and {2,3}; missing heads are zero.
-  auto scale_queries = [&]() {
+  {
     float amax = 0.f;
 #pragma unroll
     for (int kk = 0; kk < T::kSteps; ++kk) {
@@ -798,26 +787,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       qf[kk][0] = pack2<true>(x[kk][0] * down, x[kk][1] * down);
       qf[kk][1] = pack2<true>(x[kk][2] * down, x[kk][3] * down);
     }
-  };
-#if !FQD_EARLY_PROLOGUE
-  scale_queries();
-#endif
-
-  WarpState<D> st;
-#pragma unroll
-  for (int m = 0; m < T::kMTiles; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
-  st.m[0] = st.m[1] = -inf();
-  st.mu[0] = st.mu[1] = 0.f;
-  st.l[0] = st.l[1] = 0.f;
-
-
-  const Lut lut_k(lane, 0);
-  const Lut lut_v(lane, 1);
-  // (Issuing the first tile loads before the build measured no faster in version 6.)
-  if constexpr (!kTablesBeforeWait) build_tables<F16PV, kThreads, FQD_EARLY_PROLOGUE != 0>(smem, k_cent, v_cent, centroid);
-#if FQD_EARLY_PROLOGUE
-  scale_queries();
-#endif
+  }
   __syncthreads();  // tables and pages are ready
   for (int i = 1; i <= prefetch; ++i) {
     if (c + i * kWarps < nchunks) kv.prefetch_chunk(tile_at(c + i * kWarps, 0), last, T::kChunk);

@@ -66,8 +66,9 @@ PARTIAL_KEYS = 64  # cost of writing + merging one partial result, in keys
 # conversion: 51 instead of 102 us of host time per call on the H200 host (docs/kernels_decode.md, version 3).
 FAST_LAUNCH = True
 # Programmatic dependent launch (sm_90): the decode and merge kernels launch while their predecessor in the stream
-# finishes and wait for it (griddepcontrol.wait) before touching memory, so launch latency overlaps its tail.
-PROGRAMMATIC_LAUNCH = os.environ.get("FQ_DECODE_PROGRAMMATIC_LAUNCH", "0") == "1"
+# finishes and wait for it (griddepcontrol.wait) before touching memory, so launch latency overlaps its tail
+# (with the reordered prologue: B=8/N=32K contiguous 100.4 -> 96.4 us on the H200, docs/kernels_decode.md v8).
+PROGRAMMATIC_LAUNCH = os.environ.get("FQ_DECODE_PROGRAMMATIC_LAUNCH", "1") == "1"
 # Merge the splits inside the decode kernel (the last CTA of each unit, by an atomic ticket) instead of a second
 # kernel (docs/kernels_decode.md, version 5). Off until measured faster on the H200.
 FUSED_MERGE = False
