@@ -147,3 +147,25 @@ def test_launch_config_structs_follow_the_driver_abi():
     attribute.value.flag = 1
     raw = bytes(attribute)
     assert raw[:4] == (6).to_bytes(4, "little") and raw[8:12] == (1).to_bytes(4, "little")
+
+
+def test_programmatic_launch_passes_each_calls_grid_and_stream(monkeypatch):
+    """The launch configuration is built once per kernel and rewritten per call: the driver sees this call's grid,
+    block, shared memory and stream, one programmatic-serialization attribute, and the parameter array."""
+    seen = []
+
+    def fake_launch_ex(config_ref, function, params, extra):
+        config = config_ref._obj
+        seen.append(((config.grid_x, config.grid_y, config.grid_z), config.block_x, config.shared_mem, config.stream,
+                     config.num_attrs, config.attrs.contents.id, config.attrs.contents.value.flag, function, params))
+        return 0
+
+    attribute = loader._LaunchAttribute(id=loader._PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value.flag = 1
+    monkeypatch.setattr(loader, "_launch_kernel_ex", lambda: (fake_launch_ex, attribute))
+    block_args = loader.ArgBlock((np.int64(1),))
+    assert loader._launch_programmatic(block_args, 11, (3, 2, 1), 256, 4096, 77, 1234)
+    assert loader._launch_programmatic(block_args, 11, (5, 1, 8), 128, 0, 78, 1234)
+    assert seen == [((3, 2, 1), 256, 4096, 77, 1, 6, 1, 11, 1234), ((5, 1, 8), 128, 0, 78, 1, 6, 1, 11, 1234)]
+    monkeypatch.setattr(loader, "_launch_kernel_ex", lambda: (lambda *a: loader._CUDA_ERROR_INVALID_CONTEXT, attribute))
+    assert not loader._launch_programmatic(block_args, 11, (1, 1, 1), 32, 0, 0, 0)  # caller falls back

