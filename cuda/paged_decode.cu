@@ -64,9 +64,7 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #ifndef FQD_ABLATE
 #define FQD_ABLATE 0
 #endif
-#ifndef FQD_PAGED_LOADS_FIRST
-#define FQD_PAGED_LOADS_FIRST 0
-#endif
+
 enum { kPartK = 1, kPartV = 2, kPartKV = 3 };  // which half of a tile a load fetches
 
 template <int D, int W = 4>
@@ -728,15 +726,11 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], tile_at(c + kWarps, j), last);
     }
   };
-  // The first tiles are in flight during the prologue. The contiguous layouts need no block table; the paged one
-  // (FQD_PAGED_LOADS_FIRST) reads these tiles' block ids from global memory, before the barrier publishes the
-  // shared copy the loop uses.
-  constexpr bool kLoadsFirst = MODE != kPaged || FQD_PAGED_LOADS_FIRST;
-  if constexpr (kLoadsFirst) {
-    if constexpr (MODE == kPaged) kv.pages = block_table + b * bt_sb + kv.page0;
-    first_loads();
-    if constexpr (MODE == kPaged) kv.pages = reinterpret_cast<const int*>(smem + kPagesOffset);
-  }
+  // The first tiles are in flight during the prologue. The paged layout reads their block ids from global memory:
+  // the shared copy the loop uses is published by the barrier after the table build.
+  if constexpr (MODE == kPaged) kv.pages = block_table + b * bt_sb + kv.page0;
+  first_loads();
+  if constexpr (MODE == kPaged) kv.pages = reinterpret_cast<const int*>(smem + kPagesOffset);
 
   u32 qf[T::kSteps][2];
   float x[T::kSteps][4];
@@ -801,7 +795,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   for (int i = 1; i <= prefetch; ++i) {
     if (c + i * kWarps < nchunks) kv.prefetch_chunk(tile_at(c + i * kWarps, 0), last, T::kChunk);
   }
-  if constexpr (!kLoadsFirst) first_loads();
   auto step = [&](Tile<D>(&cur)[T::kTiles], Tile<D>(&nxt)[T::kTiles]) {
     const int cn = c + kWarps, ck = c + 2 * kWarps;
     if (cn < nchunks) {
