@@ -696,9 +696,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   }
 
 
-  // Q^T fragments: head g of this group, dims t*D/4 + 4kk + {0,1} and {2,3}; missing heads are zero. The
-  // queries are multiplied by 2^-e so that their largest magnitude lies in [2^14, 2^15) (exact; fp16 range and
-  // full fp16 precision for any input scale); 2^e goes back into the score scale.
   const int last = s1 - 1;
   const int nchunks = (s1 - s0 + T::kChunk - 1) / T::kChunk;
   // Warps take chunks round-robin, with the registers of two chunks swapping roles (each loop iteration runs two
@@ -767,7 +764,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 
   const Lut lut_k(lane, 0);
   const Lut lut_v(lane, 1);
-  // The table build runs while the query (and, contiguous, the first tile) loads are in flight.
+  // The table build runs while the first tiles, the queries and the centroids are in flight.
   build_tables<F16PV, kThreads>(smem, centroid);
   // The queries are multiplied by 2^-e so that their largest magnitude lies in [2^14, 2^15) (exact; fp16 range
   // and full fp16 precision for any input scale); 2^e goes back into the score scale. Q^T fragments: head g of
