@@ -167,5 +167,6 @@ def test_programmatic_launch_passes_each_calls_grid_and_stream(monkeypatch):
     assert loader._launch_programmatic(block_args, 11, (3, 2, 1), 256, 4096, 77, 1234)
     assert loader._launch_programmatic(block_args, 11, (5, 1, 8), 128, 0, 78, 1234)
     assert seen == [((3, 2, 1), 256, 4096, 77, 1, 6, 1, 11, 1234), ((5, 1, 8), 128, 0, 78, 1, 6, 1, 11, 1234)]
-    monkeypatch.setattr(loader, "_launch_kernel_ex", lambda: (lambda *a: loader._CUDA_ERROR_INVALID_CONTEXT, attribute))
-    assert not loader._launch_programmatic(block_args, 11, (1, 1, 1), 32, 0, 0, 0)  # caller falls back
+    for refusal in (201, 1):  # CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE: the caller launches plainly
+        monkeypatch.setattr(loader, "_launch_kernel_ex", lambda refusal=refusal: (lambda *a: refusal, attribute))
+        assert not loader._launch_programmatic(block_args, 11, (1, 1, 1), 32, 0, 0, 0)

@@ -199,7 +199,6 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 @functools.cache
@@ -220,9 +219,10 @@ def _launch_kernel_ex():
 def _launch_programmatic(block_args: "ArgBlock", function: int, grid: tuple[int, int, int], block: int,
                          shared_mem: int, stream: int, params: int) -> bool:
     """Launch with programmatic stream serialization: the grid may start while the previous kernel in the stream
-    is finishing; it must execute ``griddepcontrol.wait`` before touching memory that kernel wrote. False (nothing
-    launched) when the driver has no ``cuLaunchKernelEx`` or no current context. The launch configuration lives in
-    ``block_args`` (built once, ~2 us less host time per launch than a new struct)."""
+    is finishing; it must execute ``griddepcontrol.wait`` before touching memory that kernel wrote. False when
+    nothing was launched (no ``cuLaunchKernelEx`` in the driver, no current context, or the driver refused the
+    attribute): the caller then launches the ordinary way, which reports any real error. The launch configuration
+    lives in ``block_args`` (built once, ~2 us less host time per launch than a new struct)."""
     found = _launch_kernel_ex()
     if found is None:
         return False
@@ -233,12 +233,7 @@ def _launch_programmatic(block_args: "ArgBlock", function: int, grid: tuple[int,
     config, config_ref = block_args.launch_config
     config.grid_x, config.grid_y, config.grid_z = grid
     config.block_x, config.shared_mem, config.stream = block, shared_mem, stream
-    status = launch_ex(config_ref, function, params, None)
-    if status == _CUDA_ERROR_INVALID_CONTEXT:
-        return False
-    if status != 0:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
-    return True
+    return launch_ex(config_ref, function, params, None) == 0
 
 
 def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int, args: Sequence[Any],
