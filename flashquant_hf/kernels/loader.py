@@ -41,8 +41,14 @@ def cuda_source(name: str, _seen: frozenset[str] = frozenset()) -> str:
     return _INCLUDE.sub(inline, path.read_text())
 
 
+@functools.lru_cache(maxsize=64)
+def device_capability(device_index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``device_index`` (cached: launch paths ask it)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def _arch(device_index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(device_index)
+    major, minor = device_capability(device_index)
     # sm_90a unlocks Hopper-only instructions (wgmma, TMA); NVRTC accepts it for sm_90 parts.
     return f"sm_{major}{minor}a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
@@ -199,6 +205,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+PROGRAMMATIC_MIN_CAPABILITY = (9, 0)  # programmatic dependent launch: Hopper or newer
 
 
 @functools.cache
@@ -246,7 +253,8 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
     types (pointers as tensors or ``np.uint64``, ``np.int64`` / int / float scalars). Kernels with compile-time
     ``__cluster_dims__`` launch like any other (the cluster shape is not a launch attribute). ``programmatic``
     launches through ``cuLaunchKernelEx`` with programmatic stream serialization (programmatic dependent launch)
-    for kernels that wait on their predecessor with ``griddepcontrol.wait``.
+    for kernels that wait on their predecessor with ``griddepcontrol.wait``; on GPUs older than
+    ``PROGRAMMATIC_MIN_CAPABILITY`` the launch is an ordinary one.
     """
     if fast and torch.cuda.current_device() == device_index:
         import cupy
@@ -266,8 +274,8 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
             with block_args.lock:
                 params = block_args.fill(args)
                 stream = _raw_stream(device_index)
-                if programmatic and _launch_programmatic(block_args, function, grid, block, shared_mem, stream,
-                                                         params):
+                if (programmatic and device_capability(device_index) >= PROGRAMMATIC_MIN_CAPABILITY
+                        and _launch_programmatic(block_args, function, grid, block, shared_mem, stream, params)):
                     return
                 cupy.cuda.driver.launchKernel(
                     function, grid[0], grid[1], grid[2], block, 1, 1, shared_mem, stream, params, 0,

@@ -88,12 +88,6 @@ class DecodePlan:
 
 
 @functools.cache
-def _has_programmatic_launch(device_index: int) -> bool:
-    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer."""
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
-@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -241,7 +235,7 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
     """:func:`flashquant_hf.kernels.loader.launch_cached` with this module's ``FAST_LAUNCH`` and
     ``PROGRAMMATIC_LAUNCH`` switches."""
     loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH,
-                         PROGRAMMATIC_LAUNCH and _has_programmatic_launch(device_index))
+                         PROGRAMMATIC_LAUNCH)
 
 
 def run_decode(

@@ -90,15 +90,10 @@ NAME_EXPRESSIONS: tuple[str, ...] = tuple(
 )
 
 
-@functools.lru_cache(maxsize=64)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def default_config(head_dim: int, device: torch.device) -> TileConfig:
     """:data:`DEFAULT_CONFIGS` entry for ``head_dim``; :func:`fallback_config` on GPUs older than sm_90."""
     config = DEFAULT_CONFIGS[head_dim]
-    if config.cluster and _capability(loader.device_index(device)) < CLUSTER_MIN_CAPABILITY:
+    if config.cluster and loader.device_capability(loader.device_index(device)) < CLUSTER_MIN_CAPABILITY:
         return fallback_config(head_dim)
     return config
 
@@ -305,9 +300,9 @@ def _prepare(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroi
 def _plan_uncached(key, validated, q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, scale, causal,
                    key_bias, config, splits):
     dev = q_rot.device
-    if config.cluster and _capability(loader.device_index(dev)) < CLUSTER_MIN_CAPABILITY:
+    if config.cluster and loader.device_capability(loader.device_index(dev)) < CLUSTER_MIN_CAPABILITY:
         raise ValueError(f"`config` {config.label()} uses a thread-block cluster, which needs sm_90 or newer; "
-                         f"got a GPU of capability {_capability(loader.device_index(dev))}")
+                         f"got a GPU of capability {loader.device_capability(loader.device_index(dev))}")
     batch, q_heads, q_len, head_dim = q_rot.shape
     kv_heads, kv_len = k_packed.shape[1], k_packed.shape[2]
     if splits is None:
