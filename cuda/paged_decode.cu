@@ -665,8 +665,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   KVAddress<D, MODE> kv;
+  int* const pages = reinterpret_cast<int*>(smem + kPagesOffset);  // paged: this split's block ids
   if constexpr (MODE == kPaged) {
-    int* pages = reinterpret_cast<int*>(smem + kPagesOffset);
     const int page0 = s0 >> log2_bs;
     const int npages = ((s1 - 1) >> log2_bs) - page0 + 1;
     for (int i = tid; i < npages; i += kThreads) pages[i] = block_table[b * bt_sb + page0 + i];
@@ -676,7 +676,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     kv.kn = head + bs * (D / 2);
     kv.v = head + bs * (D / 2 + 4) + g * T::kVBytes;
     kv.vn = head + bs * (D + 4);
-    kv.pages = pages;
+    kv.pages = block_table + b * bt_sb + page0;  // the first tiles' loads read it before the shared copy is ready
     kv.page0 = page0;
     kv.log2_bs = log2_bs;
     kv.page_stride = static_cast<u32>(page_stride);
@@ -713,21 +713,17 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   constexpr bool kSplitLoads = MODE != kPaged;
   constexpr int kAhead = kSplitLoads ? kPartV : kPartKV;  // what is loaded for chunk c + kWarps when c starts
   Tile<D> bufa[T::kTiles], bufb[T::kTiles];
-  auto first_loads = [&]() {
-    if (c < nchunks) {
+  // The first tiles are in flight during the prologue (the paged layout reads their block ids from the global
+  // block table, see above).
+  if (c < nchunks) {
 #pragma unroll
-      for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartKV>(bufa[j], tile_at(c, j), last);
-    }
-    if (kSplitLoads && c + kWarps < nchunks) {
+    for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartKV>(bufa[j], tile_at(c, j), last);
+  }
+  if (kSplitLoads && c + kWarps < nchunks) {
 #pragma unroll
-      for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], tile_at(c + kWarps, j), last);
-    }
-  };
-  // The first tiles are in flight during the prologue. The paged layout reads their block ids from global memory:
-  // the shared copy the loop uses is published by the barrier after the table build.
-  if constexpr (MODE == kPaged) kv.pages = block_table + b * bt_sb + kv.page0;
-  first_loads();
-  if constexpr (MODE == kPaged) kv.pages = reinterpret_cast<const int*>(smem + kPagesOffset);
+    for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], tile_at(c + kWarps, j), last);
+  }
+  if constexpr (MODE == kPaged) kv.pages = pages;  // the loop's copy, published by the barrier after the build
 
   u32 qf[T::kSteps][2];
   float x[T::kSteps][4];
