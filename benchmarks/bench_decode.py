@@ -77,6 +77,17 @@ def _contiguous_query_sets(batch: int, keys: int, dev) -> list[tuple]:
              torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16))
             for seed in range(copies_to_exceed_l2(tq_bytes))]
 
+
+def _contiguous_decode(c, scale: float):
+    """A function running ``tq_decode`` on one set of :func:`_contiguous_query_sets` (TQ4, codebook ``c``)."""
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    def run(s: tuple):
+        return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)
+
+    return run
+
+
 def _pipelined(fn_of_set, sets):
     """Closures that each run CALLS calls, cycling through the input sets."""
     def make(start):
@@ -174,8 +185,6 @@ def _plan(pd, index, batch, keys, log2_bs):
 def _sweep_fused_merge(pd, record, paged_fn, c, scale, dev) -> None:
     """Split merge inside the decode kernel (``FUSED_MERGE``) vs the merge kernel, GPU time on the three paged
     configurations and the contiguous B=8/N=32K (both recorded; the library default is restored)."""
-    from flashquant_hf.kernels.tq_decode import tq_decode
-
     default = pd.FUSED_MERGE
     times = {False: {}, True: {}}
     for batch, keys, tag, _ in CONFIGS:
@@ -192,7 +201,7 @@ def _sweep_fused_merge(pd, record, paged_fn, c, scale, dev) -> None:
     for fused in (False, True, False, True):
         pd.FUSED_MERGE = fused
         pd.clear_caches()
-        ms = _gpu_ms(lambda s: tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale), sets, reps=15)
+        ms = _gpu_ms(_contiguous_decode(c, scale), sets, reps=15)
         times[fused]["contiguous_b8_n32k"] = min(ms, times[fused].get("contiguous_b8_n32k", math.inf))
     del sets
     torch.cuda.empty_cache()
@@ -212,7 +221,6 @@ def _sweep_fused_merge(pd, record, paged_fn, c, scale, dev) -> None:
 def run(record) -> None:
     import flashquant_hf.kernels.paged_decode as pd
     from flashquant_hf.kernels.split_k import launch_merge
-    from flashquant_hf.kernels.tq_decode import tq_decode
 
     dev = torch.device("cuda")
     index = dev.index or 0
@@ -294,8 +302,7 @@ def run(record) -> None:
     tq_bytes = batch * KV_HEADS * keys * (HEAD_DIM + 8)
     sets = _contiguous_query_sets(batch, keys, dev)
 
-    def fused(s):
-        return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)
+    fused = _contiguous_decode(c, scale)
 
     # The contiguous layout has its own L2 prefetch distance (its keys and values are loaded separately).
     times = {}

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_decode import (  # noqa: E402
-    BLOCK_SIZE, HEAD_DIM, _centroids, _contiguous_query_sets, _paged_sets,
+    BLOCK_SIZE, HEAD_DIM, _centroids, _contiguous_decode, _contiguous_query_sets, _paged_sets,
 )
 
 
@@ -44,7 +44,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     import flashquant_hf.kernels.paged_decode as pd
-    from flashquant_hf.kernels.tq_decode import tq_decode
 
     if args.warps is not None:
         pd.WARPS = args.warps
@@ -67,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.contiguous:
         sets = _contiguous_query_sets(args.batch, args.keys, dev)
 
-        def fn(s):
-            return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)
+        fn = _contiguous_decode(c, scale)
     else:
         sets = _paged_sets(args.batch, args.keys, BLOCK_SIZE, dev)
 
@@ -103,8 +101,6 @@ def _gpu_us(fn, sets, reps=20):
 def _sweep(pd, c, scale, dev, options_list):
     """Median GPU us per call of each (options, prefetch) on each shape (paged B=8/N=32K, 1/128K, 32/8K and the
     contiguous layout at B=8/N=32K); 3 interleaved rounds against drift."""
-    from flashquant_hf.kernels.tq_decode import tq_decode
-
     shapes = ((8, 32768, False), (1, 131072, False), (32, 8192, False), (8, 32768, True))
     variants = [(tuple(o.split()), pf) for o in options_list for pf in (0, 1)]
     results = {(v, sh): [] for v in variants for sh in shapes}
@@ -113,8 +109,7 @@ def _sweep(pd, c, scale, dev, options_list):
         if contiguous:
             sets = _contiguous_query_sets(batch, keys, dev)
 
-            def fn(s):
-                return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)
+            fn = _contiguous_decode(c, scale)
         else:
             sets = _paged_sets(batch, keys, BLOCK_SIZE, dev)
 
@@ -143,10 +138,8 @@ def _sweep(pd, c, scale, dev, options_list):
 def _scaling(pd, c, scale, dev, options_list):
     """GPU us per call of the contiguous decode at 256 CTAs (B=8 x 8 KV heads x 4 splits; B=32 x 8 x 1 split) for
     several lengths and each of ``options_list`` (NVRTC options, plus ``pdl`` for programmatic launches;
-    interleaved), and the least-squares line through
-    them: its intercept is the per-call cost that does not grow with the keys (launch, prologue, epilogue, merge)."""
-    from flashquant_hf.kernels.tq_decode import tq_decode
-
+    interleaved), and the least-squares line through them: its intercept is the per-call cost that does not grow
+    with the keys (launch, prologue, epilogue, merge)."""
     planner = pd.plan_decode
     default_options, default_pdl = pd.KERNEL_OPTIONS, pd.PROGRAMMATIC_LAUNCH
 
@@ -160,8 +153,7 @@ def _scaling(pd, c, scale, dev, options_list):
         plan.cache_clear = planner.cache_clear
         return plan
 
-    def fn(s):
-        return tq_decode(s[4], s[0], s[1], s[2], s[3], c, c, 4, 4, scale)
+    fn = _contiguous_decode(c, scale)
 
     try:
         for batch, splits, lengths in ((32, 1, (16, 128, 2048, 8192)), (8, 4, (8192, 32768))):
