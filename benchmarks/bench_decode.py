@@ -182,40 +182,40 @@ def _plan(pd, index, batch, keys, log2_bs):
     return pd._launch_for(mode, HEAD_DIM, 1, index, (batch, KV_HEADS, 1), batch * Q_HEADS, keys, log2_bs).plan
 
 
-def _sweep_fused_merge(pd, record, paged_fn, c, scale, dev) -> None:
-    """Split merge inside the decode kernel (``FUSED_MERGE``) vs the merge kernel, GPU time on the three paged
-    configurations and the contiguous B=8/N=32K (both recorded; the library default is restored)."""
-    default = pd.FUSED_MERGE
+def _sweep_cluster_merge(pd, record, paged_fn, c, scale, dev) -> None:
+    """Split merge inside a thread-block cluster (``CLUSTER_MERGE``) vs the merge kernel, GPU time on the three
+    paged configurations and the contiguous B=8/N=32K (both recorded; the library default is restored). Shapes
+    whose plan has one split or more than ``MAX_CLUSTER_SPLITS`` run the same code in both columns."""
+    default = pd.CLUSTER_MERGE
     times = {False: {}, True: {}}
+
+    def measure(tag, fn, sets):
+        for clustered in (False, True, False, True):  # interleaved twice: drift hits both alike
+            pd.CLUSTER_MERGE = clustered
+            pd.clear_caches()
+            ms = _gpu_ms(fn, sets, reps=15)
+            times[clustered][tag] = min(ms, times[clustered].get(tag, math.inf))
+
     for batch, keys, tag, _ in CONFIGS:
         sets = _paged_sets(batch, keys, BLOCK_SIZE, dev)
-        for fused in (False, True, False, True):  # interleaved twice: drift hits both alike
-            pd.FUSED_MERGE = fused
-            pd.clear_caches()
-            ms = _gpu_ms(paged_fn(keys), sets, reps=15)
-            times[fused][tag] = min(ms, times[fused].get(tag, math.inf))
+        measure(tag, paged_fn(keys), sets)
         del sets
         torch.cuda.empty_cache()
-    batch, keys = 8, 32768
-    sets = _contiguous_query_sets(batch, keys, dev)
-    for fused in (False, True, False, True):
-        pd.FUSED_MERGE = fused
-        pd.clear_caches()
-        ms = _gpu_ms(_contiguous_decode(c, scale), sets, reps=15)
-        times[fused]["contiguous_b8_n32k"] = min(ms, times[fused].get("contiguous_b8_n32k", math.inf))
+    sets = _contiguous_query_sets(8, 32768, dev)
+    measure("contiguous_b8_n32k", _contiguous_decode(c, scale), sets)
     del sets
     torch.cuda.empty_cache()
-    for fused, by_tag in times.items():
+    for clustered, by_tag in times.items():
         for tag, ms in by_tag.items():
-            record(f"decode_sweep_ms_{tag}_{'fused_merge' if fused else 'merge_kernel'}", ms, "ms")
-    score = {fused: sum(math.log(ms) for ms in by_tag.values()) for fused, by_tag in times.items()}
-    pd.FUSED_MERGE = default
+            record(f"decode_sweep_ms_{tag}_{'cluster_merge' if clustered else 'merge_kernel'}", ms, "ms")
+    score = {clustered: sum(math.log(ms) for ms in by_tag.values()) for clustered, by_tag in times.items()}
+    pd.CLUSTER_MERGE = default
     pd.clear_caches()
-    print("    fused merge sweep (us): " + " ".join(
+    print("    cluster merge sweep (us): " + " ".join(
         f"{tag}:{times[False][tag] * 1e3:.1f}->{times[True][tag] * 1e3:.1f}" for tag in times[False]))
-    # Geometric-mean time ratio fused / merge kernel (< 1: the fused merge is faster); the headline rows below
+    # Geometric-mean time ratio cluster / merge kernel (< 1: the cluster merge is faster); the headline rows below
     # use the library default, so they describe what the code does.
-    record("decode_fused_merge_time_ratio", math.exp((score[True] - score[False]) / len(times[False])), "ratio")
+    record("decode_cluster_merge_time_ratio", math.exp((score[True] - score[False]) / len(times[False])), "ratio")
 
 
 def run(record) -> None:
@@ -254,13 +254,13 @@ def run(record) -> None:
     print(f"    chosen: WARPS={best_warps}, PREFETCH_CHUNKS={best_prefetch}")
     record("decode_tuned_warps", best_warps, "warps")
     record("decode_tuned_prefetch_chunks", best_prefetch, "chunks")
-    default_merge = pd.FUSED_MERGE
+    default_merge = pd.CLUSTER_MERGE
     try:  # an experiment: a failure must not cost the headline rows below
-        _sweep_fused_merge(pd, record, paged_fn, c, scale, dev)
+        _sweep_cluster_merge(pd, record, paged_fn, c, scale, dev)
     except Exception as error:  # noqa: BLE001
-        print(f"    fused merge sweep failed: {error!r}")
-        record("decode_fused_merge_failed", 1, "error")
-    pd.FUSED_MERGE = default_merge
+        print(f"    cluster merge sweep failed: {error!r}")
+        record("decode_cluster_merge_failed", 1, "error")
+    pd.CLUSTER_MERGE = default_merge
     pd.clear_caches()
 
     sdpa_b8 = None

@@ -22,6 +22,7 @@
 // Also here: fused_tq_attention_cluster_fwd (sm_90 thread-block clusters that decode each key tile once per
 // cluster and share it through distributed shared memory; see its section). The key splits are merged by the
 // decode path's log-sum-exp merge, fqr::split_k_merge in split_k_reduce.cu.
+#include "cluster.cuh"
 #include "fa_common.cuh"
 
 namespace fa {
@@ -412,45 +413,13 @@ fused_tq_attention_fwd(const fa::u16* __restrict__ q, const unsigned char* __res
 
 namespace fa {
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define FQ_CLUSTER_DIMS(n)
-FA_INLINE u32 cluster_rank() { __trap(); return 0; }
-FA_INLINE u32 cluster_map(u32, u32) { __trap(); return 0; }
-FA_INLINE void st_cluster_v4(u32, const U4&) { __trap(); }
-FA_INLINE void st_cluster_f32(u32, float) { __trap(); }
-FA_INLINE void cluster_arrive() { __trap(); }
-FA_INLINE void cluster_wait() { __trap(); }
-#else
-#define FQ_CLUSTER_DIMS(n) __cluster_dims__(n, 1, 1)
-FA_INLINE u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// shared::cluster address of shared::cta address `addr` in the CTA of rank `rank`.
-FA_INLINE u32 cluster_map(u32 addr, u32 rank) {
-    u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-FA_INLINE void st_cluster_v4(u32 addr, const U4& v) {
-    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
-                 "r"(v.w) : "memory");
-}
-FA_INLINE void st_cluster_f32(u32 addr, float v) {
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
-}
-FA_INLINE void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-FA_INLINE void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-#endif
-
 // 16 bytes into the same shared-memory offset of this CTA (`local`) and of the CL - 1 peers (`peer`: their
 // shared::cluster base addresses, in rank order after this CTA's).
 template <int CL>
 FA_INLINE void put_all(unsigned char* local, u32 off, const U4& v, const u32 (&peer)[CL > 1 ? CL - 1 : 1]) {
     *reinterpret_cast<U4*>(local + off) = v;
 #pragma unroll
-    for (int d = 0; d < CL - 1; ++d) st_cluster_v4(peer[d] + off, v);
+    for (int d = 0; d < CL - 1; ++d) st_cluster_v4(peer[d] + off, v.x, v.y, v.z, v.w);
 }
 template <int CL>
 FA_INLINE void put_all_f32(unsigned char* local, u32 off, float v, const u32 (&peer)[CL > 1 ? CL - 1 : 1]) {

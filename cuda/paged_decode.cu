@@ -28,6 +28,7 @@
 // W warps per CTA: 4 (two 16-key tiles per warp iteration, 168 registers, 3 CTAs per SM) or 8 (D <= 128 only: one
 // tile per iteration in <= 128 registers, 2 CTAs x 8 warps per SM sharing one pair of tables per CTA).
 
+#include "cluster.cuh"
 #include "grid_dependency.cuh"
 
 namespace fqd {
@@ -55,6 +56,11 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 // 3 -> 80 registers (24 warps/SM, fits the shared memory of the contiguous modes, experiment of version 5).
 #ifndef FQD_FUSED_MERGE
 #define FQD_FUSED_MERGE 0
+#endif
+// The split merge in a thread-block cluster (merge_in_cluster) instead of a merge kernel; the host builds this
+// variant only for launches whose splits form one cluster (sm_90+, at most 8 splits).
+#ifndef FQD_CLUSTER_MERGE
+#define FQD_CLUSTER_MERGE 0
 #endif
 #ifndef FQD_MIN_BLOCKS_W8
 #define FQD_MIN_BLOCKS_W8 2
@@ -555,6 +561,61 @@ __device__ __forceinline__ void accumulate_pv(WarpState<D>& st, const float (&s)
   }
 }
 
+// Split merge inside a thread-block cluster (launches with cluster_merge: the splits of one unit are the CTAs of one
+// cluster, at most 8). Every CTA has left its normalised partial (`part_o` [nh][D], natural-log `part_lse` [nh]) in
+// its shared memory; after a cluster barrier each CTA merges an interleaved share of the unit's nh * D outputs from
+// all partials through distributed shared memory (the math of fqr::split_k_merge) and writes them to out / lse
+// (rows row0 ..). No partial goes through global memory and no merge kernel runs. The second barrier keeps this
+// CTA's shared memory alive until its peers have read it.
+template <int D, int kThreads>
+__device__ __forceinline__ void merge_in_cluster(const float* part_o, const float* part_lse, float* out, float* lse,
+                                                 long long row0, int nh) {
+  constexpr int kMaxCluster = 8;
+  const u32 size = cluster_size(), rank = cluster_rank();
+  if (size != gridDim.x || size > kMaxCluster) __trap();  // the host launches one cluster per unit's splits
+  cluster_arrive();
+  cluster_wait();
+  const u32 o_addr = static_cast<u32>(__cvta_generic_to_shared(part_o));
+  const u32 l_addr = static_cast<u32>(__cvta_generic_to_shared(part_lse));
+  for (int i = rank * kThreads + threadIdx.x; i < nh * D; i += size * kThreads) {
+    const int hh = i / D, d = i - hh * D;
+    float l[kMaxCluster];
+    float mx = -inf();
+#pragma unroll
+    for (int s = 0; s < kMaxCluster; ++s) {
+      l[s] = s < size ? ld_cluster_f32(cluster_map(l_addr + 4 * hh, s)) : -inf();
+      mx = fmaxf(mx, l[s]);
+    }
+    const long long row = row0 + hh;
+    if (mx == -inf()) {  // every split empty
+      out[row * D + d] = 0.f;
+      if (d == 0) lse[row] = -inf();
+      continue;
+    }
+    const float mx2 = mx * kLog2e;
+    float total = 0.f, acc = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxCluster; ++s) {
+      if (s < size) {
+        const float w = ex2(fmaf(l[s], kLog2e, -mx2));  // 0 for an empty split, whose o is never written
+        const float o = ld_cluster_f32(cluster_map(o_addr + 4 * i, s));
+        total += w;
+        acc = w != 0.f ? fmaf(w, o, acc) : acc;
+      }
+    }
+    out[row * D + d] = acc * (1.f / total);
+    if (d == 0) lse[row] = mx + lg2(total) * kLn2;
+  }
+  cluster_arrive();
+  cluster_wait();
+}
+
+// Where a CTA leaves its partial for merge_in_cluster: behind the cross-warp reduction's arrays.
+template <int D, int W>
+__device__ __forceinline__ float* cluster_partial(unsigned char* smem) {
+  return reinterpret_cast<float*>(smem) + W * 8 * D + 2 * W * 8;  // [8][D] outputs, then [8] lse
+}
+
 // Fused split merge (version 5; built with -DFQD_FUSED_MERGE=1, which adds the kernel's last three parameters, so
 // the default build keeps the version-4 machine code): every CTA of a (sequence, KV head, head group) unit takes a
 // ticket after writing its partial; the last one merges the unit's `gridDim.x` partials into out / lse (the math
@@ -603,6 +664,8 @@ __device__ __forceinline__ void merge_if_last(unsigned int* tickets, const float
 
 // Grid (splits, H_kv * head_groups, batch); block kThreads. Output row of query head hq of sequence b is
 // b * num_q_heads + hq; partial s of a row lives at part_out[(s * rows + row) * D], part_lse[s * rows + row].
+// Built with FQD_CLUSTER_MERGE (and launched as clusters of `splits` CTAs), the splits merge in the cluster and
+// part_out / part_lse are the final out / lse.
 template <int D, int QK, int MODE, int W>
 __global__ void __launch_bounds__(Traits<D, W>::kThreads, Traits<D, W>::kMinBlocks)
 tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, long long q_sd,
@@ -626,6 +689,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   // by a power of two into fp16 range). P V runs in fp16 for fp16 queries and in bf16 (range-safe for large
   // value norms) otherwise.
   constexpr bool F16PV = QK == kQHalf;
+  constexpr bool kClusterMerge = FQD_CLUSTER_MERGE != 0;
   extern __shared__ __align__(16) unsigned char smem[];
 
 #if FQD_ABLATE & 8
@@ -648,6 +712,13 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   const int tid = threadIdx.x;
 
   if (s0 >= s1) {  // empty split: contributes nothing to the merge
+    if constexpr (kClusterMerge) {
+      float* const part_o = cluster_partial<D, kWarps>(smem);
+      if (tid < 8) part_o[8 * D + tid] = -inf();
+      merge_in_cluster<D, kThreads>(part_o, part_o + 8 * D, part_out, part_lse,
+                                    static_cast<long long>(b) * num_q_heads + hq0, nh);
+      return;
+    }
     for (int i = tid; i < nh * D; i += kThreads) {
       const int hh = i / D, d = i - hh * D;
       const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + hh;
@@ -820,6 +891,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   }
 
 #if FQD_ABLATE & 4
+  if (!kClusterMerge) {  // (a cluster must reach its barriers)
   if (warp == 0 && g == 0) {
     for (int m = 0; m < T::kMTiles; ++m) {
       const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + (2 * t) % nh;
@@ -829,6 +901,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     part_lse[row] = st.m[0];
   }
   return;
+  }
 #endif
   // Merge the W warps through shared memory (the tables are dead now).
   __syncthreads();
@@ -851,6 +924,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     }
   }
   __syncthreads();
+  float* const cluster_o = cluster_partial<D, kWarps>(smem);
   for (int i = tid; i < nh * D; i += kThreads) {
     const int hh = i / D, d = i - hh * D;
     float mx = -inf();
@@ -866,9 +940,20 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       }
       o /= lsum;
     }
+    auto split_lse = [&] { return mx == -inf() ? -inf() : (mx + lg2(lsum)) * kLn2; };
+    if constexpr (kClusterMerge) {
+      cluster_o[i] = o;
+      if (d == 0) cluster_o[8 * D + hh] = split_lse();
+      continue;
+    }
     const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + hh;
     part_out[row * D + d] = o;
-    if (d == 0) part_lse[row] = mx == -inf() ? -inf() : (mx + lg2(lsum)) * kLn2;
+    if (d == 0) part_lse[row] = split_lse();
+  }
+  if constexpr (kClusterMerge) {
+    merge_in_cluster<D, kThreads>(cluster_o, cluster_o + 8 * D, part_out, part_lse,
+                                  static_cast<long long>(b) * num_q_heads + hq0, nh);
+    return;
   }
 #if FQD_FUSED_MERGE
   if (tickets != nullptr)

@@ -7,7 +7,9 @@ Convention for kernel wrappers: every module ``flashquant_hf/kernels/<op>.py`` t
   ``"tq_compress_hadamard<128, 4, __nv_bfloat16>"`` (an empty tuple for a pure dispatcher such as
   ``tq_attention.py``, which this test then skips);
 * optionally ``HOPPER_ONLY = True`` when its source uses sm_90a-only instructions (wgmma, setmaxnreg) behind
-  ``#if defined(__CUDA_ARCH_FEAT_SM90_ALL)``; it is then also compiled for sm_90a.
+  ``#if defined(__CUDA_ARCH_FEAT_SM90_ALL)``; it is then also compiled for sm_90a;
+* optionally ``VARIANT_OPTIONS``: tuples of extra NVRTC options of builds it launches besides the plain one
+  (e.g. ``("-DFQD_CLUSTER_MERGE=1",)``); each is compiled as well.
 
 For each source this test writes one translation unit: ``loader.cuda_source(CUDA_SOURCE)`` (local headers
 inlined, exactly the text NVRTC receives) followed by a host array that takes the address of every name
@@ -58,8 +60,9 @@ def _sources() -> dict[str, dict]:
         assert isinstance(source, str) and source.endswith(".cu"), (
             f"{module.__name__} has NAME_EXPRESSIONS but no CUDA_SOURCE = '<file>.cu' naming its source"
         )
-        entry = sources.setdefault(source, {"names": [], "hopper": False, "modules": []})
+        entry = sources.setdefault(source, {"names": [], "hopper": False, "modules": [], "variants": [()]})
         entry["names"] += [n for n in names if n not in entry["names"]]
+        entry["variants"] += [tuple(v) for v in getattr(module, "VARIANT_OPTIONS", ()) if tuple(v) not in entry["variants"]]
         entry["hopper"] |= bool(getattr(module, "HOPPER_ONLY", False))
         entry["modules"].append(module.__name__)
     return sources
@@ -73,10 +76,10 @@ def _translation_unit(source: str, names: list[str]) -> str:
     return f"{loader.cuda_source(source)}\n\n// Host side: taking each address instantiates it.\nvoid* fq_instances[] = {{\n{addresses}\n}};\n"
 
 
-def _nvcc(tu: Path, arch: str) -> tuple[str, int, str]:
-    cmd = [NVCC, "-std=c++17", "-c", f"-arch={arch}", str(tu), "-o", os.devnull]
+def _nvcc(tu: Path, arch: str, options: tuple[str, ...] = ()) -> tuple[str, int, str]:
+    cmd = [NVCC, "-std=c++17", "-c", f"-arch={arch}", *options, str(tu), "-o", os.devnull]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    return arch, proc.returncode, proc.stdout + proc.stderr
+    return " ".join((arch, *options)), proc.returncode, proc.stdout + proc.stderr
 
 
 def test_every_wrapper_declares_its_source():
@@ -95,11 +98,12 @@ def test_every_wrapper_declares_its_source():
 def test_cuda_source_compiles(source):
     entry = SOURCES[source]
     archs = ARCHS + (("sm_90a",) if entry["hopper"] else ())
+    builds = [(arch, options) for options in entry["variants"] for arch in archs]
     with tempfile.TemporaryDirectory() as tmp:
         tu = Path(tmp) / f"check_{Path(source).stem}.cu"
         tu.write_text(_translation_unit(source, entry["names"]))
         with ThreadPoolExecutor(max_workers=len(archs)) as pool:
-            results = list(pool.map(lambda a: _nvcc(tu, a), archs))
+            results = list(pool.map(lambda b: _nvcc(tu, *b), builds))
     failures = [f"--- nvcc -arch={arch} (exit {rc}):\n{log[-6000:]}" for arch, rc, log in results if rc != 0]
     assert not failures, f"cuda/{source} ({', '.join(entry['modules'])}) failed to compile:\n" + "\n".join(failures)
 
@@ -149,24 +153,51 @@ def test_launch_config_structs_follow_the_driver_abi():
     assert raw[:4] == (6).to_bytes(4, "little") and raw[8:12] == (1).to_bytes(4, "little")
 
 
+class _FakeDriver:
+    """Records what cuLaunchKernelEx is given (grid, block, shared memory, stream, attributes) and answers `status`."""
+
+    def __init__(self, status=0):
+        self.status, self.seen = status, []
+
+    def cuLaunchKernelEx(self, config_ref, function, params, extra):
+        config = config_ref._obj
+        attrs = [(config.attrs[i].id, config.attrs[i].value.flag, tuple(config.attrs[i].value.dims))
+                 for i in range(config.num_attrs)]
+        self.seen.append(((config.grid_x, config.grid_y, config.grid_z), config.block_x, config.shared_mem,
+                          config.stream, attrs, function, params))
+        return self.status
+
+
 def test_programmatic_launch_passes_each_calls_grid_and_stream(monkeypatch):
     """The launch configuration is built once per kernel and rewritten per call: the driver sees this call's grid,
     block, shared memory and stream, one programmatic-serialization attribute, and the parameter array."""
-    seen = []
-
-    def fake_launch_ex(config_ref, function, params, extra):
-        config = config_ref._obj
-        seen.append(((config.grid_x, config.grid_y, config.grid_z), config.block_x, config.shared_mem, config.stream,
-                     config.num_attrs, config.attrs.contents.id, config.attrs.contents.value.flag, function, params))
-        return 0
-
-    attribute = loader._LaunchAttribute(id=loader._PROGRAMMATIC_STREAM_SERIALIZATION)
-    attribute.value.flag = 1
-    monkeypatch.setattr(loader, "_launch_kernel_ex", lambda: (fake_launch_ex, attribute))
+    driver = _FakeDriver()
+    monkeypatch.setattr(loader, "_driver", lambda: driver)
     block_args = loader.ArgBlock((np.int64(1),))
     assert loader._launch_programmatic(block_args, 11, (3, 2, 1), 256, 4096, 77, 1234)
     assert loader._launch_programmatic(block_args, 11, (5, 1, 8), 128, 0, 78, 1234)
-    assert seen == [((3, 2, 1), 256, 4096, 77, 1, 6, 1, 11, 1234), ((5, 1, 8), 128, 0, 78, 1, 6, 1, 11, 1234)]
+    programmatic = [(6, 1, (1, 0, 0))]
+    assert driver.seen == [((3, 2, 1), 256, 4096, 77, programmatic, 11, 1234),
+                           ((5, 1, 8), 128, 0, 78, programmatic, 11, 1234)]
     for refusal in (201, 1):  # CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE: the caller launches plainly
-        monkeypatch.setattr(loader, "_launch_kernel_ex", lambda refusal=refusal: (lambda *a: refusal, attribute))
+        monkeypatch.setattr(loader, "_driver", lambda refusal=refusal: _FakeDriver(refusal))
         assert not loader._launch_programmatic(block_args, 11, (1, 1, 1), 32, 0, 0, 0)
+    monkeypatch.setattr(loader, "_driver", lambda: None)
+    assert not loader._launch_programmatic(block_args, 11, (1, 1, 1), 32, 0, 0, 0)
+
+
+def test_cluster_launch_attributes_and_refusals(monkeypatch):
+    """A cluster launch carries the cluster dimension (x = cluster size) before the programmatic attribute; a grid
+    that is not whole clusters, a missing driver entry point or a refused launch raise instead of falling back to a
+    launch without clusters (whose CTAs would write partial rows as if merged)."""
+    attrs = loader._attributes(True, 4)
+    assert [a.id for a in attrs] == [loader._CLUSTER_DIMENSION, loader._PROGRAMMATIC_STREAM_SERIALIZATION]
+    assert bytes(attrs[0])[8:20] == b"".join(v.to_bytes(4, "little") for v in (4, 1, 1))
+    config, _, kept = loader._config((8, 2, 1), 256, 1000, 5, False, 8)
+    assert config.num_attrs == 1 and config.attrs[0].id == 4 and tuple(config.attrs[0].value.dims) == (8, 1, 1)
+    assert kept[0].id == 4  # the attribute array lives as long as the configuration that points to it
+    with pytest.raises(ValueError, match="multiple of the cluster size"):
+        loader._launch_cluster(None, 11, (6, 1, 1), 256, (np.int64(1),), 0, 0, False, 4)
+    monkeypatch.setattr(loader, "_driver", lambda: None)
+    with pytest.raises(RuntimeError, match="cuLaunchKernelEx"):
+        loader._launch_cluster(None, 11, (4, 1, 1), 256, (np.int64(1),), 0, 0, False, 4)

@@ -69,6 +69,13 @@ FAST_LAUNCH = True
 # finishes and wait for it (griddepcontrol.wait) before touching memory, so launch latency overlaps its tail
 # (with the reordered prologue: B=8/N=32K contiguous 100.4 -> 96.4 us on the H200, docs/kernels_decode.md v8).
 PROGRAMMATIC_LAUNCH = os.environ.get("FQ_DECODE_PROGRAMMATIC_LAUNCH", "1") == "1"
+# Merge the splits of a unit inside one thread-block cluster (sm_90; the splits are the CTAs of the cluster, at
+# most MAX_CLUSTER_SPLITS; partials stay in shared memory and no merge kernel runs) when the device co-schedules as
+# many clusters as the plan's waves need; otherwise the merge kernel. FQ_DECODE_CLUSTER_MERGE=0 turns it off.
+CLUSTER_MERGE = os.environ.get("FQ_DECODE_CLUSTER_MERGE", "1") == "1"
+CLUSTER_MERGE_OPTION = "-DFQD_CLUSTER_MERGE=1"
+MAX_CLUSTER_SPLITS = 8  # the portable cluster size
+VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,),)  # builds besides the plain one (compiled by tests/test_cuda_compile.py)
 # Merge the splits inside the decode kernel (the last CTA of each unit, by an atomic ticket) instead of a second
 # kernel (docs/kernels_decode.md, version 5). Off until measured faster on the H200.
 FUSED_MERGE = False
@@ -185,6 +192,7 @@ class _Launch:
     part_lse: torch.Tensor | None
     tickets: torch.Tensor | None  # FUSED_MERGE: one zeroed uint32 counter per unit, reset by the kernel
     fused_merge: bool  # the kernel was built with FUSED_MERGE_OPTION (three more parameters)
+    cluster: int  # > 1: CTAs per cluster (= splits; the kernel built with CLUSTER_MERGE_OPTION merges in the cluster)
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
@@ -203,7 +211,7 @@ def clear_caches() -> None:
 def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_shape: tuple[int, int, int],
                 rows: int, length: int, log2_block_size: int | None) -> _Launch:
     key = (mode, head_dim, query_kind, index, units_shape, rows, length, log2_block_size, WARPS, SLOT_FACTOR,
-           KERNEL_OPTIONS, FUSED_MERGE)
+           KERNEL_OPTIONS, FUSED_MERGE, CLUSTER_MERGE)
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
@@ -213,17 +221,27 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_sha
     kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, options)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
+    grid = (plan.splits, kv_heads * head_groups, batch)
     merge = part_out = part_lse = tickets = None
     merge_ptr = 0
-    if plan.splits > 1:
+    cluster = 1
+    if (plan.splits > 1 and not FUSED_MERGE and CLUSTER_MERGE and plan.splits <= MAX_CLUSTER_SPLITS
+            and loader.device_capability(index) >= loader.CLUSTER_MIN_CAPABILITY):
+        clustered, _ = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index,
+                                        KERNEL_OPTIONS + (CLUSTER_MERGE_OPTION,))
+        function = loader.function_ptr(clustered, index)
+        units = batch * kv_heads * head_groups
+        active = loader.max_active_clusters(function, plan.splits, grid, 32 * warps, plan.shared_mem, index)
+        if active > 0 and -(-units // active) <= -(-units * plan.splits // slots):  # no extra wave
+            kernel, cluster = clustered, plan.splits
+    if plan.splits > 1 and cluster == 1:
         part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
         if FUSED_MERGE:
             tickets = _tickets(index, batch * kv_heads * head_groups)
         else:
             merge, merge_ptr = split_k.merge_kernel(head_dim, index, plan.splits)
-    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr,
-                    (plan.splits, kv_heads * head_groups, batch), 32 * warps, plan, part_out, part_lse, tickets,
-                    FUSED_MERGE)
+    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, part_out,
+                    part_lse, tickets, FUSED_MERGE, cluster)
     if len(_LAUNCHES) >= _CACHE_LIMIT:
         _LAUNCHES.clear()
     _LAUNCHES[key] = found
@@ -231,11 +249,11 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_sha
 
 
 def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int, args: tuple, device_index: int,
-                  shared_mem: int = 0) -> None:
+                  shared_mem: int = 0, cluster: int = 1) -> None:
     """:func:`flashquant_hf.kernels.loader.launch_cached` with this module's ``FAST_LAUNCH`` and
     ``PROGRAMMATIC_LAUNCH`` switches."""
     loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH,
-                         PROGRAMMATIC_LAUNCH)
+                         PROGRAMMATIC_LAUNCH, cluster)
 
 
 def run_decode(
@@ -259,7 +277,7 @@ def run_decode(
     length = -(-max_len // GRANULE) * GRANULE
     setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], index, units_shape, rows, length, log2_block_size)
     plan = setup.plan
-    if plan.splits == 1:
+    if plan.splits == 1 or setup.cluster > 1:  # written directly (merged in the cluster)
         part_out, part_lse = out, lse
     else:
         part_out, part_lse = setup.part_out, setup.part_lse
@@ -270,7 +288,8 @@ def run_decode(
     )
     if setup.fused_merge:
         args += (out, lse, setup.tickets) if setup.tickets is not None else (NULL, NULL, NULL)
-    launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
+    launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem,
+                  setup.cluster)
     if setup.merge is not None:
         launch_cached(setup.merge, setup.merge_ptr, split_k.merge_grid(rows), split_k.MERGE_THREADS,
                       split_k.contiguous_merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim), index)

@@ -5,6 +5,8 @@ deep-batch variant) for compute-sanitizer:
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_decode.py
 
 Environment: ``FQ_DECODE_WARPS=8`` runs the 8-warp CTAs, ``FQ_DECODE_FAST_LAUNCH=1`` the cached cuLaunchKernel path.
+On sm_90 both decodes (6 and 7 splits) merge in thread-block clusters; ``FQ_DECODE_CLUSTER_MERGE=0`` (read at import)
+runs the merge kernel instead.
 """
 
 import os
@@ -57,7 +59,9 @@ def main() -> None:
                     "v": v, "vn": vn, "bias": bias, "out2": out2, "lse2": lse2, "c": c},
                    Path(sys.argv[2]) / "decode_dump.pt")
     assert torch.isfinite(out).all() and torch.isfinite(out2).all() and torch.isfinite(merged).all()
-    print("sanitize_decode: ok", tuple(out.shape), tuple(out2.shape), f"warps {pd.WARPS}, fast launch {pd.FAST_LAUNCH}")
+    clusters = sorted({setup.cluster for setup in pd._LAUNCHES.values()})
+    print("sanitize_decode: ok", tuple(out.shape), tuple(out2.shape), f"warps {pd.WARPS}, fast launch {pd.FAST_LAUNCH},"
+          f" cluster sizes {clusters}")
 
 
 if __name__ == "__main__":

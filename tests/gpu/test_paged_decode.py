@@ -201,6 +201,40 @@ def test_paged_decode_fast_launch_matches_cupy_launch(monkeypatch):
 
 
 @pytest.mark.parametrize("warps", [4, 8])
+def test_paged_decode_cluster_merge(warps, monkeypatch, poison):
+    """CLUSTER_MERGE on ragged sequences: short and empty ones leave whole CTAs of their clusters without keys
+    (empty splits take part in the cluster barriers with lse -inf); outputs poisoned first; equal to the merge
+    kernel and the reference, and the launch must really be clustered."""
+    import flashquant_hf.kernels.paged_decode as pd
+    from flashquant_hf.kernels.paged_decode import paged_decode
+
+    monkeypatch.setattr(pd, "WARPS", warps)
+    c = centroids(128)
+    lens = [6000, 5, 0, 3000, 129, 6000, 1, 4100] * 2  # 16 sequences x 4 KV heads = 64 units
+    blocks, table, lens_t = random_store(lens, 16, 4, 128, seed=60 + warps)
+    q = torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
+    results = {}
+    real_empty = torch.empty
+    for clustered in (True, False):
+        monkeypatch.setattr(pd, "CLUSTER_MERGE", clustered)
+        pd.clear_caches()
+        with monkeypatch.context() as patched:
+            patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+            results[clustered] = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16, 6000)
+        (setup,) = pd._LAUNCHES.values()
+        assert 1 < setup.plan.splits <= pd.MAX_CLUSTER_SPLITS
+        assert (setup.cluster == setup.plan.splits and setup.merge is None) == clustered
+    (a_out, a_lse), (b_out, b_lse) = results[True], results[False]
+    torch.testing.assert_close(a_out, b_out, rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.isfinite(a_lse), torch.isfinite(b_lse))
+    torch.testing.assert_close(a_lse, b_lse, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(pd, "CLUSTER_MERGE", True)
+    pd.clear_caches()
+    check(q, blocks, table, lens_t, 16, max_seq_len=6000)
+    pd.clear_caches()
+
+
+@pytest.mark.parametrize("warps", [4, 8])
 def test_paged_decode_fused_merge(warps, monkeypatch):
     """FUSED_MERGE (the last CTA of each unit merges the splits): same result as the merge kernel and the
     reference, with empty splits (ragged and empty sequences) and the tickets reset between calls."""
