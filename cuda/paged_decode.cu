@@ -70,6 +70,18 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #ifndef FQD_ABLATE
 #define FQD_ABLATE 0
 #endif
+// Timing diagnostic only (wrong results; not with FQD_CLUSTER_MERGE): instead of its partial output, every CTA writes
+// per-warp %globaltimer stamps (entry, after the grid-dependency wait, loop start, loop end, exit) and its SM id as
+// 8 uint64 per warp at ((linear CTA index) * W + warp) * 8 of part_out (benchmarks read them back).
+#ifndef FQD_TIMELINE
+#define FQD_TIMELINE 0
+#endif
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 enum { kPartK = 1, kPartV = 2, kPartKV = 3 };  // which half of a tile a load fetches
 
@@ -698,7 +710,14 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   // Under programmatic dependent launch this grid may start while the previous kernel of the stream runs: wait for
   // it (and its memory) before reading any input or writing a partial the previous merge may still read. A no-op
   // for ordinary launches.
+#if FQD_TIMELINE
+  unsigned long long stamp[5];
+  stamp[0] = global_ns();
+#endif
   grid_dependency_wait();
+#if FQD_TIMELINE
+  stamp[1] = global_ns();
+#endif
   const int split = blockIdx.x;
   const int head_groups = (group + 7) >> 3;
   const int h = blockIdx.y / head_groups;
@@ -856,6 +875,9 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     }
   }
   __syncthreads();  // tables and pages are ready
+#if FQD_TIMELINE
+  stamp[2] = global_ns();
+#endif
   for (int i = 1; i <= prefetch; ++i) {
     if (c + i * kWarps < nchunks) kv.prefetch_chunk(tile_at(c + i * kWarps, 0), last, T::kChunk);
   }
@@ -883,6 +905,9 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 
   // The merge (launched programmatically) may now be scheduled; it waits for this grid to finish.
   grid_dependents_launch();
+#if FQD_TIMELINE
+  stamp[3] = global_ns();
+#endif
   // Denominators: sum the lane partials over the 8 lanes of each head column.
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
@@ -947,9 +972,21 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       continue;
     }
     const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + hh;
+    if (FQD_TIMELINE && o != 1234.5f) continue;  // (keeps the reduction's cost without its stores)
     part_out[row * D + d] = o;
     if (d == 0) part_lse[row] = split_lse();
   }
+#if FQD_TIMELINE
+  stamp[4] = global_ns();
+  if (lane == 0) {
+    unsigned int sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const long long cta = (static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    unsigned long long* dst = reinterpret_cast<unsigned long long*>(part_out) + (cta * kWarps + warp) * 8;
+    for (int k = 0; k < 5; ++k) dst[k] = stamp[k];
+    dst[5] = sm;
+  }
+#endif
   if constexpr (kClusterMerge) {
     merge_in_cluster<D, kThreads>(cluster_o, cluster_o + 8 * D, part_out, part_lse,
                                   static_cast<long long>(b) * num_q_heads + hq0, nh);
