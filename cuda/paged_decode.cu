@@ -62,6 +62,9 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #ifndef FQD_CLUSTER_MERGE
 #define FQD_CLUSTER_MERGE 0
 #endif
+#ifndef FQD_SMALL_LOADS_FIRST
+#define FQD_SMALL_LOADS_FIRST 0
+#endif
 #ifndef FQD_MIN_BLOCKS_W8
 #define FQD_MIN_BLOCKS_W8 2
 #endif
@@ -227,10 +230,13 @@ __device__ __forceinline__ void load_query4(float (&x)[4], const void* q, long l
 // lane's constant (l * 4 + tab * 128, byte 0) with the entry in byte 1: one PRMT builds it from the packed word,
 // and the block's fixed shared-window address (kLutWindow) is the LDS immediate. A lookup costs 1 ALU + 1 LDS
 // (version 3: byte extract + IMAD + LDS; with the base in a register, ptxas adds an IMAD.IADD per lookup).
+// In a cluster launch a CTA's shared::cta addresses also carry its window's place in the cluster (above bit 16):
+// those bits (`window_high`, 0 otherwise) go into the lane constant, which PRMT leaves in bytes 2 and 3.
 struct Lut {
-  u32 lane;  // l * 4 + tab * 128
+  u32 lane;  // window_high + l * 4 + tab * 128
 
-  __device__ __forceinline__ Lut(int lane_id, int tab) : lane(static_cast<u32>(lane_id) * 4u + tab * 128u) {}
+  __device__ __forceinline__ Lut(int lane_id, int tab, u32 window_high)
+      : lane(window_high + static_cast<u32>(lane_id) * 4u + tab * 128u) {}
 
   template <int K>
   __device__ __forceinline__ u32 get(u32 w) const {
@@ -246,9 +252,10 @@ struct Lut {
 // Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
 // (16-byte stores fill 4 lanes' copies), at the fixed window address kLutWindow. Lane l holds centroid l (keys)
 // or l - 16 (values) and the entries come from shuffles: one global load per lane instead of two per entry.
-template <bool F16PV, int kThreads>
+template <bool F16PV, int kThreads, bool kCluster>
 __device__ __forceinline__ void build_tables(unsigned char* smem, float centroid) {
-  const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFFFFu;  // low bits: CTA window
+  // low bits: the CTA window (in a cluster launch the bits above 16 place it in the cluster, see Lut)
+  const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & (kCluster ? 0xFFFFu : 0xFFFFFFu);
   if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
   unsigned char* const table = smem + (kLutWindow - window);
   for (int i = threadIdx.x; i < 2 * 256 * 8 && (FQD_ABLATE & 1) == 0; i += kThreads) {
@@ -786,6 +793,36 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   }
 
 
+  // The queries (vector loads where the head dim is contiguous and aligned) and the centroids (lanes 0-15 keys,
+  // 16-31 values; the table build shuffles them).
+  auto load_queries_and_centroids = [&](float (&x)[T::kSteps][4], float& centroid) {
+    const bool valid = g < nh && (FQD_ABLATE & 2) == 0;
+    const long long base = static_cast<long long>(b) * q_sb + static_cast<long long>(hq0 + (valid ? g : 0)) * q_sh;
+    constexpr int kElem = QK == kQFloat ? 4 : 2;
+    const bool vector = q_sd == 1 &&
+                        ((reinterpret_cast<unsigned long long>(q) + base * kElem) & (4 * kElem - 1)) == 0;
+    if (valid && vector) {
+#pragma unroll
+      for (int kk = 0; kk < T::kSteps; ++kk) load_query4<QK>(x[kk], q, base + t * (D / 4) + 4 * kk);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < T::kSteps; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int d = t * (D / 4) + 4 * kk + i;
+          x[kk][i] = valid ? load_query<QK>(q, base + d * q_sd) : ((FQD_ABLATE & 2) ? 1.f : 0.f);
+        }
+      }
+    }
+    centroid = lane < 16 ? k_cent[lane] : v_cent[lane - 16];
+  };
+  // FQD_SMALL_LOADS_FIRST: the queries and centroids go out before the first tiles, so the table build does not
+  // wait behind every warp's first tile loads (the whole grid's ~7 MB at the start).
+  u32 qf[T::kSteps][2];
+  float x[T::kSteps][4];
+  float centroid;
+  if constexpr (FQD_SMALL_LOADS_FIRST) load_queries_and_centroids(x, centroid);
+
   const int last = s1 - 1;
   const int nchunks = (s1 - s0 + T::kChunk - 1) / T::kChunk;
   // Warps take chunks round-robin, with the registers of two chunks swapping roles (each loop iteration runs two
@@ -814,31 +851,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], tile_at(c + kWarps, j), last);
   }
   if constexpr (MODE == kPaged) kv.pages = pages;  // the loop's copy, published by the barrier after the build
+  if constexpr (!FQD_SMALL_LOADS_FIRST) load_queries_and_centroids(x, centroid);
 
-  u32 qf[T::kSteps][2];
-  float x[T::kSteps][4];
-  {
-    const bool valid = g < nh && (FQD_ABLATE & 2) == 0;
-    const long long base = static_cast<long long>(b) * q_sb + static_cast<long long>(hq0 + (valid ? g : 0)) * q_sh;
-    constexpr int kElem = QK == kQFloat ? 4 : 2;
-    const bool vector = q_sd == 1 &&
-                        ((reinterpret_cast<unsigned long long>(q) + base * kElem) & (4 * kElem - 1)) == 0;
-    if (valid && vector) {
-#pragma unroll
-      for (int kk = 0; kk < T::kSteps; ++kk) load_query4<QK>(x[kk], q, base + t * (D / 4) + 4 * kk);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < T::kSteps; ++kk) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int d = t * (D / 4) + 4 * kk + i;
-          x[kk][i] = valid ? load_query<QK>(q, base + d * q_sd) : ((FQD_ABLATE & 2) ? 1.f : 0.f);
-        }
-      }
-    }
-  }
-  // Lanes 0-15 hold the key centroids, 16-31 the value centroids; the table build shuffles them.
-  const float centroid = lane < 16 ? k_cent[lane] : v_cent[lane - 16];
 
   WarpState<D> st;
 #pragma unroll
@@ -848,10 +862,11 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   st.l[0] = st.l[1] = 0.f;
 
 
-  const Lut lut_k(lane, 0);
-  const Lut lut_v(lane, 1);
+  const u32 window_high = kClusterMerge ? static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFF0000u : 0u;
+  const Lut lut_k(lane, 0, window_high);
+  const Lut lut_v(lane, 1, window_high);
   // The table build runs while the first tiles, the queries and the centroids are in flight.
-  build_tables<F16PV, kThreads>(smem, centroid);
+  build_tables<F16PV, kThreads, kClusterMerge>(smem, centroid);
   // The queries are multiplied by 2^-e so that their largest magnitude lies in [2^14, 2^15) (exact; fp16 range
   // and full fp16 precision for any input scale); 2^e goes back into the score scale. Q^T fragments: head g of
   // this group, dims t*D/4 + 4kk + {0,1} and {2,3}; missing heads are zero.
