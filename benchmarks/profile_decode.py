@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scaling", action="store_true",
                         help="time the contiguous decode at a fixed CTA count (B=8 with 4 splits, B=32 with 1) over "
                              "several lengths for every --sweep-options and fit time = fixed + per-key cost, then exit")
+    parser.add_argument("--timeline", action="store_true",
+                        help="build with -DFQD_TIMELINE=1 (per-warp globaltimer stamps, wrong results) and print where "
+                             "the contiguous decode's time goes at B=8/N=32K and B=32/N=8K for every --sweep-options, "
+                             "then exit")
     args = parser.parse_args(argv)
 
     import flashquant_hf.kernels.paged_decode as pd
@@ -62,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.scaling:
         _scaling(pd, c, scale, dev, args.sweep_options)
+        return
+    if args.timeline:
+        _timeline(pd, c, scale, dev, args.sweep_options)
         return
     if args.contiguous:
         sets = _contiguous_query_sets(args.batch, args.keys, dev)
@@ -185,6 +192,61 @@ def _scaling(pd, c, scale, dev, options_list):
     finally:
         pd.plan_decode = planner
         pd.KERNEL_OPTIONS, pd.PROGRAMMATIC_LAUNCH = default_options, default_pdl
+        pd.clear_caches()
+
+
+def _timeline(pd, c, scale, dev, options_list):
+    """Per-CTA phases of the contiguous decode from a -DFQD_TIMELINE=1 build (merge kernel path): CTA entry, the
+    grid-dependency wait, the prologue (to the barrier after the table build), each warp's loop, the spread of the
+    warps' loop ends within a CTA, the epilogue, and when CTAs end (lone CTAs: alone on their SM). In us from the
+    grid's first entry; min / median / p90 / max over CTAs (warps for the loop)."""
+    default_options, default_cluster = pd.KERNEL_OPTIONS, pd.CLUSTER_MERGE
+    fn = _contiguous_decode(c, scale)
+
+    def quantiles(x):
+        x = sorted(x)
+        return "/".join(f"{x[min(len(x) - 1, int(q * (len(x) - 1) + 0.5))]:.2f}" for q in (0, 0.5, 0.9, 1))
+
+    try:
+        pd.CLUSTER_MERGE = False  # the stamps go where the partials would
+        for batch, keys in ((8, 32768), (32, 8192)):
+            sets = _contiguous_query_sets(batch, keys, dev)
+            for options in options_list:
+                pd.KERNEL_OPTIONS = ("-DFQD_TIMELINE=1", *options.split())
+                pd.clear_caches()
+                for i in range(6):
+                    out, _ = fn(sets[i % len(sets)])
+                torch.cuda.synchronize()
+                setup = next(iter(pd._LAUNCHES.values()))
+                stamps = setup.part_out if setup.plan.splits > 1 else out
+                ctas, warps = setup.grid[0] * setup.grid[1] * setup.grid[2], setup.threads // 32
+                raw = stamps.reshape(-1).view(torch.int64)[: ctas * warps * 8].reshape(ctas, warps, 8).cpu()
+                st = raw.double()  # nanoseconds since the grid's first entry (subtracted in int64: exact)
+                st[:, :, :5] = (raw[:, :, :5] - raw[:, :, 0].min()).double() / 1000.0
+                per_sm = {}
+                for cta, sm in enumerate(st[:, 0, 5].tolist()):
+                    per_sm.setdefault(sm, []).append(cta)
+                end = st[:, :, 4].max(1).values
+                lone = [cta for ctas_on_sm in per_sm.values() if len(ctas_on_sm) == 1 for cta in ctas_on_sm]
+                phases = {
+                    "entry": st[:, :, 0].min(1).values,
+                    "wait": st[:, :, 1].max(1).values - st[:, :, 0].min(1).values,
+                    "prologue": st[:, :, 2].max(1).values - st[:, :, 1].max(1).values,
+                    "loop per warp": (st[:, :, 3] - st[:, :, 2]).reshape(-1),
+                    "warp end spread": st[:, :, 3].max(1).values - st[:, :, 3].min(1).values,
+                    "epilogue": end - st[:, :, 3].max(1).values,
+                    "CTA end": end,
+                }
+                print(f"timeline B={batch} N={keys} options={options or '-'}: {ctas} CTAs on {len(per_sm)} SMs "
+                      f"({len(lone)} alone), span {end.max().item():.2f} us", flush=True)
+                for name, values in phases.items():
+                    print(f"    {name:<16} min/p50/p90/max {quantiles(values.tolist())} us")
+                if lone:
+                    print(f"    lone CTAs end at p50 {quantiles(end[lone].tolist()).split('/')[1]} us")
+            del sets
+            torch.cuda.empty_cache()
+    finally:
+        pd.KERNEL_OPTIONS, pd.CLUSTER_MERGE = default_options, default_cluster
         pd.clear_caches()
 
 
