@@ -171,10 +171,9 @@ def _paged_sets(batch, keys, block_size, dev):
             for seed in range(copies_to_exceed_l2(tq_bytes))]
 
 
-def _set_tuning(pd, warps, prefetch, small_first):
+def _set_tuning(pd, warps, prefetch):
     pd.WARPS = warps
     pd.PREFETCH_CHUNKS = prefetch
-    pd.SMALL_LOADS_FIRST = small_first
     pd.clear_caches()
 
 
@@ -211,10 +210,11 @@ def _sweep_cluster_merge(pd, record, paged_fn, c, scale, dev) -> None:
         measure(tag, paged_fn(keys), sets)
         del sets
         torch.cuda.empty_cache()
-    sets = _contiguous_query_sets(8, 32768, dev)
-    measure("contiguous_b8_n32k", _contiguous_decode(c, scale), sets)
-    del sets
-    torch.cuda.empty_cache()
+    for batch, keys in ((8, 32768), (4, 4096), (1, 1024)):  # short contexts: few units, <= 8 splits
+        sets = _contiguous_query_sets(batch, keys, dev)
+        measure(f"contiguous_b{batch}_n{keys // 1024}k", _contiguous_decode(c, scale), sets)
+        del sets
+        torch.cuda.empty_cache()
     for clustered, by_tag in times.items():
         for tag, ms in by_tag.items():
             record(f"decode_sweep_ms_{tag}_{'cluster_merge' if clustered else 'merge_kernel'}", ms, "ms")
@@ -242,30 +242,28 @@ def run(record) -> None:
     def paged_fn(keys, block_size=BLOCK_SIZE):
         return lambda s: pd.paged_decode(s[3], s[0], s[1], s[2], c, c, 4, 4, scale, block_size, keys)
 
-    # Sweep: warps per CTA x L2 prefetch distance x prologue order, GPU time, on every config; keep the best
-    # geometric mean.
+    # Sweep: warps per CTA x L2 prefetch distance, GPU time, on every config; keep the best geometric mean.
     for warps in pd.WARP_CHOICES:
         kernel, resident = pd._prepared_kernel(pd.kernel_name(HEAD_DIM, 1, pd.MODE_PAGED, warps), index)
         print(f"    W={warps}: resident CTAs/SM {resident}, regs {kernel.num_regs}, SMs {pd._sm_count(index)}")
-    grid = [(w, p, f) for w in pd.WARP_CHOICES for p in (0, 1, 2) for f in (False, True)]
+    grid = [(w, p) for w in pd.WARP_CHOICES for p in (0, 1, 2)]
     scores = {key: 0.0 for key in grid}
     for batch, keys, tag, _ in CONFIGS:
         sets = _paged_sets(batch, keys, BLOCK_SIZE, dev)
         line = []
-        for warps, prefetch, small_first in grid:
-            _set_tuning(pd, warps, prefetch, small_first)
+        for warps, prefetch in grid:
+            _set_tuning(pd, warps, prefetch)
             ms = _gpu_ms(paged_fn(keys), sets, reps=15)
-            scores[(warps, prefetch, small_first)] += math.log(ms)
-            line.append(f"w{warps}/pf{prefetch}{'/sf' if small_first else ''}={ms * 1e3:.1f}")
+            scores[(warps, prefetch)] += math.log(ms)
+            line.append(f"w{warps}/pf{prefetch}={ms * 1e3:.1f}")
         print(f"    sweep {tag} (us): " + " ".join(line))
         del sets
         torch.cuda.empty_cache()
-    best_warps, best_prefetch, best_small_first = min(scores, key=scores.get)
-    _set_tuning(pd, best_warps, best_prefetch, best_small_first)
-    print(f"    chosen: WARPS={best_warps}, PREFETCH_CHUNKS={best_prefetch}, SMALL_LOADS_FIRST={best_small_first}")
+    best_warps, best_prefetch = min(scores, key=scores.get)
+    _set_tuning(pd, best_warps, best_prefetch)
+    print(f"    chosen: WARPS={best_warps}, PREFETCH_CHUNKS={best_prefetch}")
     record("decode_tuned_warps", best_warps, "warps")
     record("decode_tuned_prefetch_chunks", best_prefetch, "chunks")
-    record("decode_tuned_small_loads_first", int(best_small_first), "bool")
     default_merge = pd.CLUSTER_MERGE
     try:  # an experiment: a failure must not cost the headline rows below
         _sweep_cluster_merge(pd, record, paged_fn, c, scale, dev)
@@ -316,22 +314,18 @@ def run(record) -> None:
 
     fused = _contiguous_decode(c, scale)
 
-    # The contiguous layout has its own L2 prefetch distance (its keys and values are loaded separately) and
-    # prologue order; two interleaved passes.
+    # The contiguous layout has its own L2 prefetch distance (its keys and values are loaded separately); two
+    # interleaved passes.
     times = {}
     for _ in range(2):
         for prefetch in (0, 1):
-            for small_first in (False, True):
-                pd.CONTIGUOUS_PREFETCH_CHUNKS, pd.CONTIGUOUS_SMALL_LOADS_FIRST = prefetch, small_first
-                pd.clear_caches()
-                ms = _gpu_ms(fused, sets, reps=15)
-                times[(prefetch, small_first)] = min(ms, times.get((prefetch, small_first), math.inf))
-    pd.CONTIGUOUS_PREFETCH_CHUNKS, pd.CONTIGUOUS_SMALL_LOADS_FIRST = min(times, key=times.get)
+            pd.CONTIGUOUS_PREFETCH_CHUNKS = prefetch
+            pd.clear_caches()
+            times[prefetch] = min(_gpu_ms(fused, sets, reps=15), times.get(prefetch, math.inf))
+    pd.CONTIGUOUS_PREFETCH_CHUNKS = min(times, key=times.get)
     pd.clear_caches()
-    print("    contiguous sweep (us): " + " ".join(f"pf{p}{'/sf' if f else ''}={t * 1e3:.1f}"
-                                                  for (p, f), t in times.items()))
+    print("    contiguous sweep (us): " + " ".join(f"pf{p}={t * 1e3:.1f}" for p, t in times.items()))
     record("decode_tuned_contiguous_prefetch_chunks", pd.CONTIGUOUS_PREFETCH_CHUNKS, "chunks")
-    record("decode_tuned_contiguous_small_loads_first", int(pd.CONTIGUOUS_SMALL_LOADS_FIRST), "bool")
     ms = _gpu_ms(fused, sets)
     record("fused_decode_ms_b8_n32k", ms, "ms")
     record("fused_decode_speedup_b8_n32k", sdpa_b8 / ms, "x", ">= 2.5")

@@ -62,9 +62,6 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #ifndef FQD_CLUSTER_MERGE
 #define FQD_CLUSTER_MERGE 0
 #endif
-#ifndef FQD_SMALL_LOADS_FIRST
-#define FQD_SMALL_LOADS_FIRST 0
-#endif
 #ifndef FQD_MIN_BLOCKS_W8
 #define FQD_MIN_BLOCKS_W8 2
 #endif
@@ -816,12 +813,9 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     }
     centroid = lane < 16 ? k_cent[lane] : v_cent[lane - 16];
   };
-  // FQD_SMALL_LOADS_FIRST: the queries and centroids go out before the first tiles, so the table build does not
-  // wait behind every warp's first tile loads (the whole grid's ~7 MB at the start).
   u32 qf[T::kSteps][2];
   float x[T::kSteps][4];
   float centroid;
-  if constexpr (FQD_SMALL_LOADS_FIRST) load_queries_and_centroids(x, centroid);
 
   const int last = s1 - 1;
   const int nchunks = (s1 - s0 + T::kChunk - 1) / T::kChunk;
@@ -851,7 +845,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], tile_at(c + kWarps, j), last);
   }
   if constexpr (MODE == kPaged) kv.pages = pages;  // the loop's copy, published by the barrier after the build
-  if constexpr (!FQD_SMALL_LOADS_FIRST) load_queries_and_centroids(x, centroid);
+  // After the first tiles: issuing the queries and centroids before them measured the same (docs, version 9).
+  load_queries_and_centroids(x, centroid);
 
 
   WarpState<D> st;

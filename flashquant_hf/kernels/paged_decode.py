@@ -57,11 +57,6 @@ GRANULE = 128  # keys per round of all warps of a CTA (Traits<D, W>::kChunk * W 
 # Tuned on the H200 by benchmarks/bench_decode.py (sweep over the three benchmark shapes, version 4):
 PREFETCH_CHUNKS = 1  # paged: L2 prefetch distance, in warp iterations beyond the register prefetch (0: off)
 CONTIGUOUS_PREFETCH_CHUNKS = 0  # the same for tq_decode (its split key/value loads gained nothing from it)
-# Issue the queries and centroids before the first tiles (NVRTC build with SMALL_LOADS_FIRST_OPTION): the table
-# build then need not wait behind the whole grid's first tile loads (paged / contiguous; the benchmark sweeps both).
-SMALL_LOADS_FIRST = False
-CONTIGUOUS_SMALL_LOADS_FIRST = False
-SMALL_LOADS_FIRST_OPTION = "-DFQD_SMALL_LOADS_FIRST=1"
 # Extra NVRTC options of the decode kernels (experiments, e.g. "-DFQD_QK_CHAINS_PAGED=4"); part of every cache key.
 KERNEL_OPTIONS: tuple[str, ...] = tuple(os.environ.get("FQ_DECODE_NVRTC_OPTIONS", "").split())
 SLOT_FACTOR = 1.0  # planned CTA slots = SMs x resident CTAs x SLOT_FACTOR
@@ -80,7 +75,7 @@ PROGRAMMATIC_LAUNCH = os.environ.get("FQ_DECODE_PROGRAMMATIC_LAUNCH", "1") == "1
 CLUSTER_MERGE = os.environ.get("FQ_DECODE_CLUSTER_MERGE", "1") == "1"
 CLUSTER_MERGE_OPTION = "-DFQD_CLUSTER_MERGE=1"
 MAX_CLUSTER_SPLITS = 8  # the portable cluster size
-VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,), (SMALL_LOADS_FIRST_OPTION,))  # builds besides the plain one (compiled by tests/test_cuda_compile.py)
+VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,),)  # builds besides the plain one (compiled by tests/test_cuda_compile.py)
 # Merge the splits inside the decode kernel (the last CTA of each unit, by an atomic ticket) instead of a second
 # kernel (docs/kernels_decode.md, version 5). Off until measured faster on the H200.
 FUSED_MERGE = False
@@ -216,15 +211,13 @@ def clear_caches() -> None:
 def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_shape: tuple[int, int, int],
                 rows: int, length: int, log2_block_size: int | None) -> _Launch:
     key = (mode, head_dim, query_kind, index, units_shape, rows, length, log2_block_size, WARPS, SLOT_FACTOR,
-           KERNEL_OPTIONS, FUSED_MERGE, CLUSTER_MERGE, SMALL_LOADS_FIRST, CONTIGUOUS_SMALL_LOADS_FIRST)
+           KERNEL_OPTIONS, FUSED_MERGE, CLUSTER_MERGE)
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
     batch, kv_heads, head_groups = units_shape
     warps = warps_for(head_dim)
     options = KERNEL_OPTIONS + ((FUSED_MERGE_OPTION,) if FUSED_MERGE else ())
-    if (SMALL_LOADS_FIRST if mode == MODE_PAGED else CONTIGUOUS_SMALL_LOADS_FIRST):
-        options += (SMALL_LOADS_FIRST_OPTION,)
     kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, options)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
