@@ -71,8 +71,10 @@ FAST_LAUNCH = True
 PROGRAMMATIC_LAUNCH = os.environ.get("FQ_DECODE_PROGRAMMATIC_LAUNCH", "1") == "1"
 # Merge the splits of a unit inside one thread-block cluster (sm_90; the splits are the CTAs of the cluster, at
 # most MAX_CLUSTER_SPLITS; partials stay in shared memory and no merge kernel runs) when the device co-schedules as
-# many clusters as the plan's waves need; otherwise the merge kernel. FQ_DECODE_CLUSTER_MERGE=0 turns it off.
-CLUSTER_MERGE = os.environ.get("FQ_DECODE_CLUSTER_MERGE", "1") == "1"
+# many clusters as the plan's waves need; otherwise the merge kernel. Off by default (FQ_DECODE_CLUSTER_MERGE=1
+# turns it on): on the H200 it applies only to short contexts (B=8/N=32K needs 64 clusters of 4, the device holds
+# 62) and saved 1 % there (B=1/N=1K 7.8 -> 7.7 us), not worth a second NVRTC build (docs/kernels_decode.md, v9).
+CLUSTER_MERGE = os.environ.get("FQ_DECODE_CLUSTER_MERGE", "0") == "1"
 CLUSTER_MERGE_OPTION = "-DFQD_CLUSTER_MERGE=1"
 MAX_CLUSTER_SPLITS = 8  # the portable cluster size
 VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,),)  # builds besides the plain one (compiled by tests/test_cuda_compile.py)

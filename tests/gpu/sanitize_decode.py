@@ -5,8 +5,8 @@ deep-batch variant) for compute-sanitizer:
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_decode.py
 
 Environment: ``FQ_DECODE_WARPS=8`` runs the 8-warp CTAs, ``FQ_DECODE_FAST_LAUNCH=1`` the cached cuLaunchKernel path.
-On sm_90 both decodes (6 and 7 splits) merge in thread-block clusters; ``FQ_DECODE_CLUSTER_MERGE=0`` (read at import)
-runs the merge kernel instead.
+``FQ_DECODE_CLUSTER_MERGE=1`` (read at import) merges both decodes' splits (6 and 7) in thread-block clusters on
+sm_90 instead of the merge kernel.
 """
 
 import os
