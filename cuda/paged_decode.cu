@@ -52,16 +52,13 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #ifndef FQD_QK_CHAINS_PAGED
 #define FQD_QK_CHAINS_PAGED 2
 #endif
-// Resident 8-warp CTAs per SM the register budget is cut for (launch bounds): 2 -> 128 registers (16 warps/SM);
-// 3 -> 80 registers (24 warps/SM, fits the shared memory of the contiguous modes, experiment of version 5).
-#ifndef FQD_FUSED_MERGE
-#define FQD_FUSED_MERGE 0
-#endif
 // The split merge in a thread-block cluster (merge_in_cluster) instead of a merge kernel; the host builds this
 // variant only for launches whose splits form one cluster (sm_90+, at most 8 splits).
 #ifndef FQD_CLUSTER_MERGE
 #define FQD_CLUSTER_MERGE 0
 #endif
+// Resident 8-warp CTAs per SM the register budget is cut for (launch bounds): 2 -> 128 registers (16 warps/SM);
+// 3 -> 80 registers (24 warps/SM, fits the shared memory of the contiguous modes, experiment of version 5).
 #ifndef FQD_MIN_BLOCKS_W8
 #define FQD_MIN_BLOCKS_W8 2
 #endif
@@ -632,52 +629,6 @@ __device__ __forceinline__ float* cluster_partial(unsigned char* smem) {
   return reinterpret_cast<float*>(smem) + W * 8 * D + 2 * W * 8;  // [8][D] outputs, then [8] lse
 }
 
-// Fused split merge (version 5; built with -DFQD_FUSED_MERGE=1, which adds the kernel's last three parameters, so
-// the default build keeps the version-4 machine code): every CTA of a (sequence, KV head, head group) unit takes a
-// ticket after writing its partial; the last one merges the unit's `gridDim.x` partials into out / lse (the math
-// of fqr::split_k_merge) and resets the ticket, so no second kernel runs. The partials are read through L2
-// (__ldcg): other CTAs wrote them, and the fence + atomic order those writes before the ticket.
-#if FQD_FUSED_MERGE
-template <int D, int kThreads>
-__device__ __forceinline__ void merge_if_last(unsigned int* tickets, const float* part_out, const float* part_lse,
-                                              float* out, float* lse, int rows, int row0, int nh, int* flag) {
-  // `flag`: a word of dynamic shared memory, free after the first barrier (no static __shared__: it would move
-  // the dynamic window past kLutWindow).
-  __threadfence();
-  __syncthreads();
-  const int tid = threadIdx.x;
-  const unsigned int unit = blockIdx.z * gridDim.y + blockIdx.y;
-  if (tid == 0) *flag = atomicAdd(tickets + unit, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!*flag) return;
-  __threadfence();
-  const int splits = gridDim.x;
-  for (int i = tid; i < nh * D; i += kThreads) {
-    const int hh = i / D, d = i - hh * D;
-    const long long row = row0 + hh;
-    float mx = -inf();
-    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(part_lse + s * static_cast<long long>(rows) + row));
-    if (mx == -inf()) {  // every split empty
-      out[row * D + d] = 0.f;
-      if (d == 0) lse[row] = -inf();
-      continue;
-    }
-    const float mx2 = mx * kLog2e;
-    float total = 0.f, acc = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const long long srow = s * static_cast<long long>(rows) + row;
-      const float w = ex2(fmaf(__ldcg(part_lse + srow), kLog2e, -mx2));
-      total += w;
-      if (w != 0.f) acc = fmaf(w, __ldcg(part_out + srow * D + d), acc);
-    }
-    const float inv = 1.f / total;
-    out[row * D + d] = acc * inv;
-    if (d == 0) lse[row] = mx + lg2(total) * kLn2;
-  }
-  if (tid == 0) tickets[unit] = 0u;  // ready for the next launch (stream order)
-}
-#endif
-
 // Grid (splits, H_kv * head_groups, batch); block kThreads. Output row of query head hq of sequence b is
 // b * num_q_heads + hq; partial s of a row lives at part_out[(s * rows + row) * D], part_lse[s * rows + row].
 // Built with FQD_CLUSTER_MERGE (and launched as clusters of `splits` CTAs), the splits merge in the cluster and
@@ -695,9 +646,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
                  const float* __restrict__ k_cent, const float* __restrict__ v_cent, float scale_log2,
                  int num_q_heads, int group, int split_len, float* __restrict__ part_out,
                  float* __restrict__ part_lse, int rows, int prefetch
-#if FQD_FUSED_MERGE
-                 , float* __restrict__ merged_out, float* __restrict__ merged_lse, unsigned int* __restrict__ tickets
-#endif
                  ) {
   using T = Traits<D, W>;
   constexpr int kWarps = T::kWarps, kThreads = T::kThreads;
@@ -748,11 +696,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       part_out[row * D + d] = 0.f;
       if (d == 0) part_lse[row] = -inf();
     }
-#if FQD_FUSED_MERGE
-    if (tickets != nullptr)  // uniform: nullptr when the launch has one split (no merge)
-      merge_if_last<D, kThreads>(tickets, part_out, part_lse, merged_out, merged_lse, rows, b * num_q_heads + hq0, nh,
-                                 reinterpret_cast<int*>(smem));
-#endif
     return;
   }
 
@@ -1000,13 +943,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   if constexpr (kClusterMerge) {
     merge_in_cluster<D, kThreads>(cluster_o, cluster_o + 8 * D, part_out, part_lse,
                                   static_cast<long long>(b) * num_q_heads + hq0, nh);
-    return;
   }
-#if FQD_FUSED_MERGE
-  if (tickets != nullptr)
-    merge_if_last<D, kThreads>(tickets, part_out, part_lse, merged_out, merged_lse, rows, b * num_q_heads + hq0, nh,
-                               reinterpret_cast<int*>(smem));
-#endif
 }
 
 }  // namespace fqd

@@ -78,10 +78,6 @@ CLUSTER_MERGE = os.environ.get("FQ_DECODE_CLUSTER_MERGE", "0") == "1"
 CLUSTER_MERGE_OPTION = "-DFQD_CLUSTER_MERGE=1"
 MAX_CLUSTER_SPLITS = 8  # the portable cluster size
 VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,),)  # builds besides the plain one (compiled by tests/test_cuda_compile.py)
-# Merge the splits inside the decode kernel (the last CTA of each unit, by an atomic ticket) instead of a second
-# kernel (docs/kernels_decode.md, version 5). Off until measured faster on the H200.
-FUSED_MERGE = False
-FUSED_MERGE_OPTION = "-DFQD_FUSED_MERGE=1"  # the NVRTC build with the merge (and three more kernel parameters)
 NULL = np.uint64(0)
 LOG2E = 1.4426950408889634
 
@@ -173,12 +169,6 @@ def _workspace(device_index: int, splits: int, rows: int, head_dim: int) -> tupl
     )
 
 
-@functools.lru_cache(maxsize=32)
-def _tickets(device_index: int, units: int) -> torch.Tensor:
-    # Zero between launches: the last CTA of each unit resets its counter; stream order does the rest.
-    return torch.zeros(units, dtype=torch.int32, device=torch.device("cuda", device_index))
-
-
 @dataclass(frozen=True)
 class _Launch:
     """Everything about one decode call that depends only on its shape: kernels, grid, plan, workspace."""
@@ -192,8 +182,6 @@ class _Launch:
     plan: DecodePlan
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
-    tickets: torch.Tensor | None  # FUSED_MERGE: one zeroed uint32 counter per unit, reset by the kernel
-    fused_merge: bool  # the kernel was built with FUSED_MERGE_OPTION (three more parameters)
     cluster: int  # > 1: CTAs per cluster (= splits; the kernel built with CLUSTER_MERGE_OPTION merges in the cluster)
 
 
@@ -207,30 +195,28 @@ def clear_caches() -> None:
     loader.clear_arg_blocks()
     plan_decode.cache_clear()
     _workspace.cache_clear()
-    _tickets.cache_clear()
 
 
 def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_shape: tuple[int, int, int],
                 rows: int, length: int, log2_block_size: int | None) -> _Launch:
     key = (mode, head_dim, query_kind, index, units_shape, rows, length, log2_block_size, WARPS, SLOT_FACTOR,
-           KERNEL_OPTIONS, FUSED_MERGE, CLUSTER_MERGE)
+           KERNEL_OPTIONS, CLUSTER_MERGE)
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
     batch, kv_heads, head_groups = units_shape
     warps = warps_for(head_dim)
-    options = KERNEL_OPTIONS + ((FUSED_MERGE_OPTION,) if FUSED_MERGE else ())
-    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, options)
+    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, KERNEL_OPTIONS)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
     grid = (plan.splits, kv_heads * head_groups, batch)
-    merge = part_out = part_lse = tickets = None
+    merge = part_out = part_lse = None
     merge_ptr = 0
     cluster = 1
-    if (plan.splits > 1 and not FUSED_MERGE and CLUSTER_MERGE and plan.splits <= MAX_CLUSTER_SPLITS
+    if (plan.splits > 1 and CLUSTER_MERGE and plan.splits <= MAX_CLUSTER_SPLITS
             and loader.device_capability(index) >= loader.CLUSTER_MIN_CAPABILITY):
         clustered, _ = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index,
-                                        options + (CLUSTER_MERGE_OPTION,))
+                                        KERNEL_OPTIONS + (CLUSTER_MERGE_OPTION,))
         function = loader.function_ptr(clustered, index)
         units = batch * kv_heads * head_groups
         active = loader.max_active_clusters(function, plan.splits, grid, 32 * warps, plan.shared_mem, index)
@@ -238,12 +224,9 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_sha
             kernel, cluster = clustered, plan.splits
     if plan.splits > 1 and cluster == 1:
         part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
-        if FUSED_MERGE:
-            tickets = _tickets(index, batch * kv_heads * head_groups)
-        else:
-            merge, merge_ptr = split_k.merge_kernel(head_dim, index, plan.splits)
+        merge, merge_ptr = split_k.merge_kernel(head_dim, index, plan.splits)
     found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, part_out,
-                    part_lse, tickets, FUSED_MERGE, cluster)
+                    part_lse, cluster)
     if len(_LAUNCHES) >= _CACHE_LIMIT:
         _LAUNCHES.clear()
     _LAUNCHES[key] = found
@@ -288,8 +271,6 @@ def run_decode(
         centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, plan.split_len,
         part_out, part_lse, rows, PREFETCH_CHUNKS if mode == MODE_PAGED else CONTIGUOUS_PREFETCH_CHUNKS,
     )
-    if setup.fused_merge:
-        args += (out, lse, setup.tickets) if setup.tickets is not None else (NULL, NULL, NULL)
     launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem,
                   setup.cluster)
     if setup.merge is not None:

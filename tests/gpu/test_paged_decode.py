@@ -232,32 +232,3 @@ def test_paged_decode_cluster_merge(warps, monkeypatch, poison):
     pd.clear_caches()
     check(q, blocks, table, lens_t, 16, max_seq_len=1000)
     pd.clear_caches()
-
-
-@pytest.mark.parametrize("warps", [4, 8])
-def test_paged_decode_fused_merge(warps, monkeypatch):
-    """FUSED_MERGE (the last CTA of each unit merges the splits): same result as the merge kernel and the
-    reference, with empty splits (ragged and empty sequences) and the tickets reset between calls."""
-    import flashquant_hf.kernels.paged_decode as pd
-    from flashquant_hf.kernels.paged_decode import paged_decode
-
-    monkeypatch.setattr(pd, "WARPS", warps)
-    c = centroids(128)
-    for seed, lens in enumerate(([9000, 5, 0, 3000], [40, 9000, 1], [9000, 5, 0, 3000])):
-        blocks, table, lens_t = random_store(lens, 16, 2, 128, seed=80 + seed)
-        q = torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
-        results = []
-        for fused in (True, False):
-            monkeypatch.setattr(pd, "FUSED_MERGE", fused)
-            pd.clear_caches()
-            out = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16)
-            results.append(out)
-            if fused:
-                assert pd._launch_for(pd.MODE_PAGED, 128, 1, q.device.index or 0, (len(lens), 2, 1), len(lens) * 8,
-                                      9088, 4).plan.splits > 1, "the case must split"
-                check(q, blocks, table, lens_t, 16)  # a second fused call: the tickets were reset
-        (f_out, f_lse), (m_out, m_lse) = results
-        torch.testing.assert_close(f_out, m_out, rtol=1e-5, atol=1e-6)
-        assert torch.equal(torch.isfinite(f_lse), torch.isfinite(m_lse))
-        torch.testing.assert_close(f_lse, m_lse, rtol=1e-5, atol=1e-5)
-    pd.clear_caches()

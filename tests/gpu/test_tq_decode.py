@@ -317,34 +317,3 @@ def test_tq_decode_cluster_merge(warps, monkeypatch):
         assert_close_rel(*results[True][1], *reference64(q, cache, c, bias))
         assert torch.all(results[True][1][0][1] == 0) and torch.all(results[True][1][1][1] == -math.inf)
     pd.clear_caches()
-
-
-@pytest.mark.parametrize("warps", [4, 8])
-def test_tq_decode_fused_merge(warps, monkeypatch):
-    """FUSED_MERGE on the contiguous layout: multi-split, a fully padded sequence (every split -inf), repeated
-    calls with changing lengths (tickets reset by the kernel), against the merge kernel and float64."""
-    import flashquant_hf.kernels.paged_decode as pd
-
-    monkeypatch.setattr(pd, "WARPS", warps)
-    c = centroids(128)
-    k, kn, v, vn = random_cache(2, 2, 20000, 128, capacity_extra=100, seed=90 + warps)
-    for num_keys in (20000, 3000, 20000):
-        cache = (k[:, :, :num_keys], kn[:, :, :num_keys], v[:, :, :num_keys], vn[:, :, :num_keys])
-        q = torch.randn(2, 8, 1, 128, device=DEV, dtype=torch.bfloat16)
-        bias = torch.zeros(2, num_keys, device=DEV)
-        bias[0] = -math.inf
-        results = []
-        for fused in (True, False):
-            monkeypatch.setattr(pd, "FUSED_MERGE", fused)
-            pd.clear_caches()
-            results.append((run(q, cache, c), run(q, cache, c, bias)))
-        for (f_out, f_lse), (m_out, m_lse) in zip(*results):
-            torch.testing.assert_close(f_out, m_out, rtol=1e-5, atol=1e-6)
-            assert torch.equal(torch.isfinite(f_lse), torch.isfinite(m_lse))
-            torch.testing.assert_close(f_lse, m_lse, rtol=1e-5, atol=1e-5)
-        assert_close_rel(*results[0][0], *reference64(q, cache, c))
-        assert_close_rel(*results[0][1], *reference64(q, cache, c, bias))
-        plan = pd._launch_for(pd.MODE_CONTIGUOUS, 128, 1, q.device.index or 0, (2, 2, 1), 16,
-                              -(-num_keys // 128) * 128, None).plan
-        assert plan.splits > 1, "the case must split"
-    pd.clear_caches()
