@@ -44,14 +44,7 @@ constexpr int kLutBytes = 256 * 32 * 4;  // one byte->pair table, one 4-byte cop
 // bytes of room for that.
 constexpr unsigned int kLutWindow = 0x400;
 constexpr int kLutSlack = 1024;
-// FQD_Q_SHARED: the Q^T fragments live in shared memory ([k-step][lane] pairs of words, 16 * D bytes, before the
-// page slice) and each k-step loads its pair, instead of 2 * D / 16 registers held through the loop.
-#ifndef FQD_Q_SHARED
-#define FQD_Q_SHARED 0
-#endif
-constexpr int kQOffset = kLutSlack + 2 * kLutBytes;
-template <int D>
-constexpr int kPagesOffset = kQOffset + (FQD_Q_SHARED ? 16 * D : 0);
+constexpr int kPagesOffset = kLutSlack + 2 * kLutBytes;
 
 enum { kQHalf = 0, kQBf16 = 1, kQFloat = 2 };
 enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
@@ -438,8 +431,7 @@ struct WarpState {
 template <int D, int W, int MODE>
 __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][4],
                                             const Tile<D> (&tiles)[Traits<D, W>::kTiles],
-                                            const u32 (&qf)[Traits<D>::kSteps][2], u32 q_shared, const Lut& lut_k,
-                                            int ts0,
+                                            const u32 (&qf)[Traits<D>::kSteps][2], const Lut& lut_k, int ts0,
                                             int end, float scale_log2, int g) {
   using T = Traits<D, W>;
 #pragma unroll
@@ -465,14 +457,7 @@ __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][4],
         a2 = lut_k.get<1>(w0);
         a3 = lut_k.get<1>(w1);
       }
-      u32 b0, b1;
-      if constexpr (FQD_Q_SHARED) {  // volatile: loaded where used, not hoisted into registers for the loop
-        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(b0), "=r"(b1) : "r"(q_shared + kk * 256));
-      } else {
-        b0 = qf[kk][0];
-        b1 = qf[kk][1];
-      }
-      mma16816<true>(acc_qk[kk % kQKChains], a0, a1, a2, a3, b0, b1);
+      mma16816<true>(acc_qk[kk % kQKChains], a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -717,7 +702,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   KVAddress<D, MODE> kv;
-  int* const pages = reinterpret_cast<int*>(smem + kPagesOffset<D>);  // paged: this split's block ids
+  int* const pages = reinterpret_cast<int*>(smem + kPagesOffset);  // paged: this split's block ids
   if constexpr (MODE == kPaged) {
     const int page0 = s0 >> log2_bs;
     const int npages = ((s1 - 1) >> log2_bs) - page0 + 1;
@@ -840,12 +825,9 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     for (int kk = 0; kk < T::kSteps; ++kk) {
       qf[kk][0] = pack2<true>(x[kk][0] * down, x[kk][1] * down);
       qf[kk][1] = pack2<true>(x[kk][2] * down, x[kk][3] * down);
-      if (FQD_Q_SHARED && warp == 0)  // the same fragments in every warp: warp 0 stores them
-        *reinterpret_cast<uint2*>(smem + kQOffset + kk * 256 + lane * 8) = make_uint2(qf[kk][0], qf[kk][1]);
     }
   }
-  __syncthreads();  // tables and pages (and FQD_Q_SHARED: the query fragments) are ready
-  const u32 q_shared = static_cast<u32>(__cvta_generic_to_shared(smem + kQOffset)) + lane * 8;
+  __syncthreads();  // tables and pages are ready
 #if FQD_TIMELINE
   stamp[2] = global_ns();
 #endif
@@ -861,7 +843,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     if (prefetch > 0 && cn + prefetch * kWarps < nchunks)
       kv.prefetch_chunk(tile_at(cn + prefetch * kWarps, 0), last, T::kChunk);
     float s[T::kTiles][4];
-    tile_scores<D, W, MODE>(s, cur, qf, q_shared, lut_k, tile_at(c, 0), s1, scale_log2, g);
+    tile_scores<D, W, MODE>(s, cur, qf, lut_k, tile_at(c, 0), s1, scale_log2, g);
     if (kSplitLoads && ck < nchunks) {
 #pragma unroll
       for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(cur[j], tile_at(ck, j), last);

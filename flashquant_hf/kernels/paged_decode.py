@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,11 +77,7 @@ PROGRAMMATIC_LAUNCH = os.environ.get("FQ_DECODE_PROGRAMMATIC_LAUNCH", "1") == "1
 CLUSTER_MERGE = os.environ.get("FQ_DECODE_CLUSTER_MERGE", "0") == "1"
 CLUSTER_MERGE_OPTION = "-DFQD_CLUSTER_MERGE=1"
 MAX_CLUSTER_SPLITS = 8  # the portable cluster size
-# Keep the Q^T fragments in shared memory, loaded per k-step (NVRTC build with Q_SHARED_OPTION, 16 * D more bytes
-# of shared memory), instead of 2 * D / 16 registers held through the loop. FQ_DECODE_Q_SHARED=1 turns it on.
-Q_SHARED = os.environ.get("FQ_DECODE_Q_SHARED", "0") == "1"
-Q_SHARED_OPTION = "-DFQD_Q_SHARED=1"
-VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,), (Q_SHARED_OPTION,))  # builds besides the plain one (compiled by tests/test_cuda_compile.py)
+VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,),)  # builds besides the plain one (compiled by tests/test_cuda_compile.py)
 NULL = np.uint64(0)
 LOG2E = 1.4426950408889634
 
@@ -109,7 +104,7 @@ def _prepared_kernel(name: str, device_index: int, options: tuple[str, ...] = ()
     warps = int(name.rstrip(">").split(",")[-1])
     threads = 32 * warps
     kernel = get_kernel(CUDA_SOURCE, name, device, options)
-    smem = LUT_BYTES + MAX_PAGE_BYTES + 16 + (16 * max(HEAD_DIMS) if Q_SHARED_OPTION in options else 0)
+    smem = LUT_BYTES + MAX_PAGE_BYTES + 16
     kernel.max_dynamic_shared_size_bytes = smem
     try:
         kernel.preferred_shared_memory_carveout = 100  # 2-3 CTAs x ~69 KB need the largest carveout
@@ -205,18 +200,15 @@ def clear_caches() -> None:
 def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_shape: tuple[int, int, int],
                 rows: int, length: int, log2_block_size: int | None) -> _Launch:
     key = (mode, head_dim, query_kind, index, units_shape, rows, length, log2_block_size, WARPS, SLOT_FACTOR,
-           KERNEL_OPTIONS, CLUSTER_MERGE, Q_SHARED)
+           KERNEL_OPTIONS, CLUSTER_MERGE)
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
     batch, kv_heads, head_groups = units_shape
     warps = warps_for(head_dim)
-    options = KERNEL_OPTIONS + ((Q_SHARED_OPTION,) if Q_SHARED else ())
-    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, options)
+    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, KERNEL_OPTIONS)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
-    if Q_SHARED:
-        plan = dataclasses.replace(plan, shared_mem=plan.shared_mem + 16 * head_dim)
     grid = (plan.splits, kv_heads * head_groups, batch)
     merge = part_out = part_lse = None
     merge_ptr = 0
@@ -224,7 +216,7 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_sha
     if (plan.splits > 1 and CLUSTER_MERGE and plan.splits <= MAX_CLUSTER_SPLITS
             and loader.device_capability(index) >= loader.CLUSTER_MIN_CAPABILITY):
         clustered, _ = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index,
-                                        options + (CLUSTER_MERGE_OPTION,))
+                                        KERNEL_OPTIONS + (CLUSTER_MERGE_OPTION,))
         function = loader.function_ptr(clustered, index)
         units = batch * kv_heads * head_groups
         active = loader.max_active_clusters(function, plan.splits, grid, 32 * warps, plan.shared_mem, index)
