@@ -184,8 +184,9 @@ def _plan(pd, index, batch, keys, log2_bs):
 
 def _sweep_cluster_merge(pd, record, paged_fn, c, scale, dev) -> None:
     """Split merge inside a thread-block cluster (``CLUSTER_MERGE``) vs the merge kernel, GPU time on the three
-    paged configurations and the contiguous B=8/N=32K (both recorded; the library default is restored). Shapes
-    whose plan has one split or more than ``MAX_CLUSTER_SPLITS`` run the same code in both columns."""
+    paged configurations and the contiguous B=8/N=32K, B=4/N=4K and B=1/N=1K (both recorded; the library default
+    is restored). Shapes whose plan has one split, more than ``MAX_CLUSTER_SPLITS`` or more clusters than the
+    device co-schedules run the same code in both columns."""
     default = pd.CLUSTER_MERGE
     times = {False: {}, True: {}}
 

@@ -574,8 +574,8 @@ __device__ __forceinline__ void accumulate_pv(WarpState<D>& st, const float (&s)
   }
 }
 
-// Split merge inside a thread-block cluster (launches with cluster_merge: the splits of one unit are the CTAs of one
-// cluster, at most 8). Every CTA has left its normalised partial (`part_o` [nh][D], natural-log `part_lse` [nh]) in
+// Split merge inside a thread-block cluster (FQD_CLUSTER_MERGE builds, launched so that the splits of one unit are
+// the CTAs of one cluster, at most 8). Every CTA has left its normalised partial (`part_o` [nh][D], natural-log `part_lse` [nh]) in
 // its shared memory; after a cluster barrier each CTA merges an interleaved share of the unit's nh * D outputs from
 // all partials through distributed shared memory (the math of fqr::split_k_merge) and writes them to out / lse
 // (rows row0 ..). No partial goes through global memory and no merge kernel runs. The second barrier keeps this
@@ -732,34 +732,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     }
   }
 
-
-  // The queries (vector loads where the head dim is contiguous and aligned) and the centroids (lanes 0-15 keys,
-  // 16-31 values; the table build shuffles them).
-  auto load_queries_and_centroids = [&](float (&x)[T::kSteps][4], float& centroid) {
-    const bool valid = g < nh && (FQD_ABLATE & 2) == 0;
-    const long long base = static_cast<long long>(b) * q_sb + static_cast<long long>(hq0 + (valid ? g : 0)) * q_sh;
-    constexpr int kElem = QK == kQFloat ? 4 : 2;
-    const bool vector = q_sd == 1 &&
-                        ((reinterpret_cast<unsigned long long>(q) + base * kElem) & (4 * kElem - 1)) == 0;
-    if (valid && vector) {
-#pragma unroll
-      for (int kk = 0; kk < T::kSteps; ++kk) load_query4<QK>(x[kk], q, base + t * (D / 4) + 4 * kk);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < T::kSteps; ++kk) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int d = t * (D / 4) + 4 * kk + i;
-          x[kk][i] = valid ? load_query<QK>(q, base + d * q_sd) : ((FQD_ABLATE & 2) ? 1.f : 0.f);
-        }
-      }
-    }
-    centroid = lane < 16 ? k_cent[lane] : v_cent[lane - 16];
-  };
-  u32 qf[T::kSteps][2];
-  float x[T::kSteps][4];
-  float centroid;
-
   const int last = s1 - 1;
   const int nchunks = (s1 - s0 + T::kChunk - 1) / T::kChunk;
   // Warps take chunks round-robin, with the registers of two chunks swapping roles (each loop iteration runs two
@@ -788,9 +760,31 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], tile_at(c + kWarps, j), last);
   }
   if constexpr (MODE == kPaged) kv.pages = pages;  // the loop's copy, published by the barrier after the build
-  // After the first tiles: issuing the queries and centroids before them measured the same (docs, version 9).
-  load_queries_and_centroids(x, centroid);
-
+  // The queries (vector loads where the head dim is contiguous and aligned) and the centroids (lanes 0-15 keys,
+  // 16-31 values; the table build shuffles them), after the first tiles: issuing them first measured the same
+  // (docs, version 9).
+  float x[T::kSteps][4];
+  {
+    const bool valid = g < nh && (FQD_ABLATE & 2) == 0;
+    const long long base = static_cast<long long>(b) * q_sb + static_cast<long long>(hq0 + (valid ? g : 0)) * q_sh;
+    constexpr int kElem = QK == kQFloat ? 4 : 2;
+    const bool vector = q_sd == 1 &&
+                        ((reinterpret_cast<unsigned long long>(q) + base * kElem) & (4 * kElem - 1)) == 0;
+    if (valid && vector) {
+#pragma unroll
+      for (int kk = 0; kk < T::kSteps; ++kk) load_query4<QK>(x[kk], q, base + t * (D / 4) + 4 * kk);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < T::kSteps; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int d = t * (D / 4) + 4 * kk + i;
+          x[kk][i] = valid ? load_query<QK>(q, base + d * q_sd) : ((FQD_ABLATE & 2) ? 1.f : 0.f);
+        }
+      }
+    }
+  }
+  const float centroid = lane < 16 ? k_cent[lane] : v_cent[lane - 16];
 
   WarpState<D> st;
 #pragma unroll
@@ -799,12 +793,12 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   st.mu[0] = st.mu[1] = 0.f;
   st.l[0] = st.l[1] = 0.f;
 
-
   const u32 window_high = kClusterMerge ? static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFF0000u : 0u;
   const Lut lut_k(lane, 0, window_high);
   const Lut lut_v(lane, 1, window_high);
   // The table build runs while the first tiles, the queries and the centroids are in flight.
   build_tables<F16PV, kThreads, kClusterMerge>(smem, centroid);
+  u32 qf[T::kSteps][2];
   // The queries are multiplied by 2^-e so that their largest magnitude lies in [2^14, 2^15) (exact; fp16 range
   // and full fp16 precision for any input scale); 2^e goes back into the score scale. Q^T fragments: head g of
   // this group, dims t*D/4 + 4kk + {0,1} and {2,3}; missing heads are zero.
@@ -869,16 +863,13 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   }
 
 #if FQD_ABLATE & 4
-  if (!kClusterMerge) {  // (a cluster must reach its barriers)
-  if (warp == 0 && g == 0) {
-    for (int m = 0; m < T::kMTiles; ++m) {
+  if constexpr (!kClusterMerge) {  // (a cluster must reach its barriers)
+    if (warp == 0 && g == 0) {
       const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + (2 * t) % nh;
-      part_out[row * D + 2 * m] = st.acc[m][0] / st.l[0];
+      for (int m = 0; m < T::kMTiles; ++m) part_out[row * D + 2 * m] = st.acc[m][0] / st.l[0];
+      part_lse[row] = st.m[0];
     }
-    const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + (2 * t) % nh;
-    part_lse[row] = st.m[0];
-  }
-  return;
+    return;
   }
 #endif
   // Merge the W warps through shared memory (the tables are dead now).

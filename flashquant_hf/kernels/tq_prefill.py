@@ -50,7 +50,6 @@ CANDIDATE_CONFIGS: dict[int, tuple[TileConfig, ...]] = {
         TileConfig(4, 2, 32, False),
     ),
 }
-CLUSTER_MIN_CAPABILITY = (9, 0)
 _DEFAULTS: dict[tuple[int, int], TileConfig] = {}  # (device index, head_dim) -> default_config
 
 
@@ -93,7 +92,7 @@ NAME_EXPRESSIONS: tuple[str, ...] = tuple(
 def default_config(head_dim: int, device: torch.device) -> TileConfig:
     """:data:`DEFAULT_CONFIGS` entry for ``head_dim``; :func:`fallback_config` on GPUs older than sm_90."""
     config = DEFAULT_CONFIGS[head_dim]
-    if config.cluster and loader.device_capability(loader.device_index(device)) < CLUSTER_MIN_CAPABILITY:
+    if config.cluster and loader.device_capability(loader.device_index(device)) < loader.CLUSTER_MIN_CAPABILITY:
         return fallback_config(head_dim)
     return config
 
@@ -300,7 +299,7 @@ def _prepare(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroi
 def _plan_uncached(key, validated, q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, scale, causal,
                    key_bias, config, splits):
     dev = q_rot.device
-    if config.cluster and loader.device_capability(loader.device_index(dev)) < CLUSTER_MIN_CAPABILITY:
+    if config.cluster and loader.device_capability(loader.device_index(dev)) < loader.CLUSTER_MIN_CAPABILITY:
         raise ValueError(f"`config` {config.label()} uses a thread-block cluster, which needs sm_90 or newer; "
                          f"got a GPU of capability {loader.device_capability(loader.device_index(dev))}")
     batch, q_heads, q_len, head_dim = q_rot.shape
