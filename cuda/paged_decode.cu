@@ -176,6 +176,13 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// (a & mask) | (b & ~mask) in one LOP3 (ptxas emits two when the masks are written as separate constants).
+__device__ __forceinline__ u32 select_bits(u32 a, u32 b, u32 mask) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(mask));
+  return r;
+}
+
 __device__ __forceinline__ float load_f32(const float* p) {
   float x;
   asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(x) : "l"(p));
@@ -417,8 +424,9 @@ struct KVAddress {
 template <int D>
 struct WarpState {
   float acc[Traits<D>::kMTiles][4];  // O^T: rows dims (D/8)g+2m (+1 for [2],[3]), cols heads 2t, 2t+1
-  float m[2];                        // running max (log2 domain), uniform over g
-  float mu[2];                       // the value subtracted before exp2: m, or 0 while m is -inf
+  float mu[2];                       // the value subtracted before exp2: the running max (log2 domain, uniform
+                                     // over g), or 0 while that is -inf
+  float thr[2];                      // running max - mu: 0, or -inf while no key was seen (scores arrive as s - mu)
   float l[2];                        // partial denominators over this lane's keys
 };
 
@@ -432,7 +440,7 @@ template <int D, int W, int MODE>
 __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][4],
                                             const Tile<D> (&tiles)[Traits<D, W>::kTiles],
                                             const u32 (&qf)[Traits<D>::kSteps][2], const Lut& lut_k, int ts0,
-                                            int end, float scale_log2, int g) {
+                                            int end, float scale_log2, int g, const float (&mu)[2]) {
   using T = Traits<D, W>;
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
@@ -466,15 +474,20 @@ __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][4],
       for (int a = 1; a < kQKChains; ++a) s[j][i] += acc_qk[a][i];
     }
     const float k0 = tiles[j].kn[0] * scale_log2, k1 = tiles[j].kn[1] * scale_log2;
-    float b0 = 0.f, b1 = 0.f;
+    // Scores leave shifted by the running max (mu, per head column), which update_max corrects when it moves, so
+    // the subtraction before exp2 rides on this FFMA.
     if constexpr (MODE == kContiguousBias) {
-      b0 = tiles[j].bias[0] * kLog2e;
-      b1 = tiles[j].bias[1] * kLog2e;
+      const float b0 = tiles[j].bias[0] * kLog2e, b1 = tiles[j].bias[1] * kLog2e;
+      s[j][0] = fmaf(s[j][0], k0, b0 - mu[0]);
+      s[j][1] = fmaf(s[j][1], k0, b0 - mu[1]);
+      s[j][2] = fmaf(s[j][2], k1, b1 - mu[0]);
+      s[j][3] = fmaf(s[j][3], k1, b1 - mu[1]);
+    } else {
+      s[j][0] = fmaf(s[j][0], k0, -mu[0]);
+      s[j][1] = fmaf(s[j][1], k0, -mu[1]);
+      s[j][2] = fmaf(s[j][2], k1, -mu[0]);
+      s[j][3] = fmaf(s[j][3], k1, -mu[1]);
     }
-    s[j][0] = fmaf(s[j][0], k0, b0);
-    s[j][1] = fmaf(s[j][1], k0, b0);
-    s[j][2] = fmaf(s[j][2], k1, b1);
-    s[j][3] = fmaf(s[j][3], k1, b1);
   }
   if (ts0 + T::kChunk > end) {  // only the last iteration of a split has keys past its end
 #pragma unroll
@@ -485,8 +498,9 @@ __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][4],
   }
 }
 
+// s arrives as score - mu and leaves shifted by the new mu.
 template <int D, int W>
-__device__ __forceinline__ void update_max(WarpState<D>& st, const float (&s)[Traits<D, W>::kTiles][4]) {
+__device__ __forceinline__ void update_max(WarpState<D>& st, float (&s)[Traits<D, W>::kTiles][4]) {
   using T = Traits<D, W>;
   float mx0 = fmaxf(s[0][0], s[0][2]), mx1 = fmaxf(s[0][1], s[0][3]);
 #pragma unroll
@@ -497,18 +511,27 @@ __device__ __forceinline__ void update_max(WarpState<D>& st, const float (&s)[Tr
   // Once the running max has settled, no lane's scores exceed it: one vote then replaces the column-max
   // shuffles and the rescale. Only when some lane's score is above its column's max are the lane maxima reduced
   // over the 8 lanes of each column and the accumulators rescaled.
-  if (__any_sync(0xffffffffu, (mx0 > st.m[0]) | (mx1 > st.m[1]))) {
+  if (__any_sync(0xffffffffu, (mx0 > st.thr[0]) | (mx1 > st.thr[1]))) {
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) {
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
     }
-    const float mn0 = fmaxf(st.m[0], mx0), mn1 = fmaxf(st.m[1], mx1);
+    const float m0 = st.mu[0] + st.thr[0], m1 = st.mu[1] + st.thr[1];  // the running max
+    const float mn0 = fmaxf(m0, mx0 + st.mu[0]), mn1 = fmaxf(m1, mx1 + st.mu[1]);
     // A column that has seen only masked keys keeps max -inf; subtract 0 instead so no inf - inf appears.
     const float mu0 = mn0 == -inf() ? 0.f : mn0, mu1 = mn1 == -inf() ? 0.f : mn1;
-    const float al0 = ex2(st.m[0] - mu0), al1 = ex2(st.m[1] - mu1);
-    st.m[0] = mn0;
-    st.m[1] = mn1;
+    const float al0 = ex2(m0 - mu0), al1 = ex2(m1 - mu1);
+    const float d0 = st.mu[0] - mu0, d1 = st.mu[1] - mu1;
+#pragma unroll
+    for (int j = 0; j < T::kTiles; ++j) {
+      s[j][0] += d0;
+      s[j][1] += d1;
+      s[j][2] += d0;
+      s[j][3] += d1;
+    }
+    st.thr[0] = mn0 - mu0;
+    st.thr[1] = mn1 - mu1;
     st.mu[0] = mu0;
     st.mu[1] = mu1;
     st.l[0] *= al0;
@@ -527,11 +550,10 @@ template <int D, int W, bool F16PV>
 __device__ __forceinline__ void accumulate_pv(WarpState<D>& st, const float (&s)[Traits<D, W>::kTiles][4],
                                               const Tile<D> (&tiles)[Traits<D, W>::kTiles], const Lut& lut_v) {
   using T = Traits<D, W>;
-  const float mu0 = st.mu[0], mu1 = st.mu[1];
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
-    const float p0 = ex2(s[j][0] - mu0), p1 = ex2(s[j][1] - mu1);
-    const float p2 = ex2(s[j][2] - mu0), p3 = ex2(s[j][3] - mu1);
+    const float p0 = ex2(s[j][0]), p1 = ex2(s[j][1]);  // (s arrives as score - mu)
+    const float p2 = ex2(s[j][2]), p3 = ex2(s[j][3]);
     st.l[0] += p0 + p2;
     st.l[1] += p1 + p3;
     const float v0 = tiles[j].vn[0], v1 = tiles[j].vn[1];
@@ -542,10 +564,10 @@ __device__ __forceinline__ void accumulate_pv(WarpState<D>& st, const float (&s)
 #pragma unroll
     for (int w = 0; w < T::kVWords; ++w) {
       // byte i of x: high nibbles of keys (2t, 2t+1); of y: their low nibbles. Same for keys 2t+8, 2t+9.
-      xa[w] = (tiles[j].v[0][w] & 0xF0F0F0F0u) | ((tiles[j].v[1][w] >> 4) & 0x0F0F0F0Fu);
-      ya[w] = ((tiles[j].v[0][w] << 4) & 0xF0F0F0F0u) | (tiles[j].v[1][w] & 0x0F0F0F0Fu);
-      xb[w] = (tiles[j].v[2][w] & 0xF0F0F0F0u) | ((tiles[j].v[3][w] >> 4) & 0x0F0F0F0Fu);
-      yb[w] = ((tiles[j].v[2][w] << 4) & 0xF0F0F0F0u) | (tiles[j].v[3][w] & 0x0F0F0F0Fu);
+      xa[w] = select_bits(tiles[j].v[0][w], tiles[j].v[1][w] >> 4, 0xF0F0F0F0u);
+      ya[w] = select_bits(tiles[j].v[0][w] << 4, tiles[j].v[1][w], 0xF0F0F0F0u);
+      xb[w] = select_bits(tiles[j].v[2][w], tiles[j].v[3][w] >> 4, 0xF0F0F0F0u);
+      yb[w] = select_bits(tiles[j].v[2][w] << 4, tiles[j].v[3][w], 0xF0F0F0F0u);
     }
 #pragma unroll
     for (int m = 0; m < T::kMTiles; ++m) {
@@ -789,7 +811,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   WarpState<D> st;
 #pragma unroll
   for (int m = 0; m < T::kMTiles; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
-  st.m[0] = st.m[1] = -inf();
+  st.thr[0] = st.thr[1] = -inf();
   st.mu[0] = st.mu[1] = 0.f;
   st.l[0] = st.l[1] = 0.f;
 
@@ -837,7 +859,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     if (prefetch > 0 && cn + prefetch * kWarps < nchunks)
       kv.prefetch_chunk(tile_at(cn + prefetch * kWarps, 0), last, T::kChunk);
     float s[T::kTiles][4];
-    tile_scores<D, W, MODE>(s, cur, qf, lut_k, tile_at(c, 0), s1, scale_log2, g);
+    tile_scores<D, W, MODE>(s, cur, qf, lut_k, tile_at(c, 0), s1, scale_log2, g, st.mu);
     if (kSplitLoads && ck < nchunks) {
 #pragma unroll
       for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(cur[j], tile_at(ck, j), last);
@@ -867,7 +889,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     if (warp == 0 && g == 0) {
       const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + (2 * t) % nh;
       for (int m = 0; m < T::kMTiles; ++m) part_out[row * D + 2 * m] = st.acc[m][0] / st.l[0];
-      part_lse[row] = st.m[0];
+      part_lse[row] = st.mu[0] + st.thr[0];
     }
     return;
   }
@@ -886,8 +908,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       *reinterpret_cast<float2*>(a1 + 2 * m) = make_float2(st.acc[m][1], st.acc[m][3]);
     }
     if (g == 0) {
-      red_m[warp * 8 + 2 * t] = st.m[0];
-      red_m[warp * 8 + 2 * t + 1] = st.m[1];
+      red_m[warp * 8 + 2 * t] = st.mu[0] + st.thr[0];  // the running max
+      red_m[warp * 8 + 2 * t + 1] = st.mu[1] + st.thr[1];
       red_l[warp * 8 + 2 * t] = st.l[0];
       red_l[warp * 8 + 2 * t + 1] = st.l[1];
     }
