@@ -48,13 +48,13 @@ constexpr int kPagesOffset = kLutSlack + 2 * kLutBytes;
 
 enum { kQHalf = 0, kQBf16 = 1, kQFloat = 2 };
 enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
-// Independent accumulators of S^T = K Q^T (k-steps round-robin): paged 1 (run 16: 1-1.5 % faster than 2; 4 was
-// slower in version 4), contiguous 2.
+// Independent accumulators of S^T = K Q^T (k-steps round-robin): 1 (runs 16-17: 1-1.5 % faster than 2 paged,
+// 0.3-0.5 % contiguous; 4 was slower in version 4).
 #ifndef FQD_QK_CHAINS_PAGED
 #define FQD_QK_CHAINS_PAGED 1
 #endif
 #ifndef FQD_QK_CHAINS_CONTIGUOUS
-#define FQD_QK_CHAINS_CONTIGUOUS 2
+#define FQD_QK_CHAINS_CONTIGUOUS 1
 #endif
 // The split merge in a thread-block cluster (merge_in_cluster) instead of a merge kernel; the host builds this
 // variant only for launches whose splits form one cluster (sm_90+, at most 8 splits).
