@@ -1,0 +1,81 @@
+"""Decode over a model split across two GPUs (issue #8): tokens/s of the Llama-3-8B-shaped random model with
+TurboQuantCache, layers split over GPUs 0 and 1 by accelerate's ``device_map`` machinery, over the same model
+and context on GPU 0 alone (B=8, 32K context; the prefill and decode steps of ``bench_e2e``).
+
+    python benchmarks/run_gpu.py --only multi_gpu --skip-tests
+
+Records ``multi_gpu_decode_tokens_per_s_ratio`` (split / one GPU; target >= 1.0). With fewer than two GPUs it
+records nothing and says so.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+from benchmarks.bench_e2e import BATCH, CONTEXT, DECODE_STEPS, LLAMA3_8B, WARMUP_STEPS, _cache_kwargs, build_model, prefill
+
+
+def _synchronize_all() -> None:
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+
+
+@torch.inference_mode()
+def decode_tokens_per_s(model, input_ids: torch.Tensor) -> float:
+    """Prefill a TurboQuantCache with ``input_ids``, then the median tokens/s of DECODE_STEPS greedy steps."""
+    from flashquant_hf import TurboQuantCache
+
+    cache, next_ids, _ = prefill(model, TurboQuantCache, input_ids)
+    times = []
+    for i in range(WARMUP_STEPS + DECODE_STEPS):
+        _synchronize_all()
+        start = time.perf_counter()
+        out = model(next_ids, **_cache_kwargs(model, cache))
+        next_ids = out.logits[:, -1:].argmax(-1).to(input_ids.device)
+        _synchronize_all()
+        if i >= WARMUP_STEPS:
+            times.append(time.perf_counter() - start)
+    del cache, out
+    gc.collect()
+    torch.cuda.empty_cache()
+    return BATCH / statistics.median(times)
+
+
+def split_over_two_gpus(model):
+    """``model`` dispatched with whole decoder layers on GPUs 0 and 1 (about half the weights each), as
+    ``from_pretrained(device_map="auto", max_memory=...)`` would place them."""
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    device_map = infer_auto_device_map(model, max_memory={0: int(0.55 * weights), 1: 2 * weights},
+                                       no_split_module_classes=["LlamaDecoderLayer"])
+    if set(device_map.values()) != {0, 1}:
+        raise RuntimeError(f"the device map does not use both GPUs: {sorted(set(device_map.values()))}")
+    return dispatch_model(model, device_map=device_map)
+
+
+def run(record) -> None:
+    """Entry point for benchmarks/run_gpu.py."""
+    if torch.cuda.device_count() < 2:
+        print("  multi_gpu: skipped, this machine has fewer than two GPUs", flush=True)
+        return
+    model = build_model()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    input_ids = torch.randint(0, LLAMA3_8B["vocab_size"], (BATCH, CONTEXT), device="cuda", generator=generator)
+    one = decode_tokens_per_s(model, input_ids)
+    record("multi_gpu_one_gpu_decode_tokens_per_s_32k", one, "tok/s")
+    model = split_over_two_gpus(model)
+    two = decode_tokens_per_s(model, input_ids)
+    record("multi_gpu_two_gpus_decode_tokens_per_s_32k", two, "tok/s")
+    record("multi_gpu_decode_tokens_per_s_ratio", two / one, "x", ">= 1.0")
+
+
+if __name__ == "__main__":
+    def _print(name, value, unit, target=None):
+        print(f"{name:<48} {value:>12.4g} {unit:<9} {target or ''}", flush=True)
+
+    run(_print)
