@@ -103,18 +103,25 @@ def prefill(model, make_cache: Callable, input_ids: torch.Tensor):
     raise torch.cuda.OutOfMemoryError("prefill did not fit with any chunk size")
 
 
+def _synchronize_all() -> None:
+    """Wait for every GPU (a model split over several devices finishes a step on the last one)."""
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+
+
 @torch.inference_mode()
 def decode(model, cache, next_ids: torch.Tensor) -> tuple[list[float], list[int]]:
-    """Run WARMUP + DECODE_STEPS greedy steps; (seconds per timed step, peak extra bytes per timed step)."""
+    """Run WARMUP + DECODE_STEPS greedy steps; (seconds per timed step, peak extra bytes of the current device per
+    timed step)."""
     times, peaks = [], []
     for i in range(WARMUP_STEPS + DECODE_STEPS):
-        torch.cuda.synchronize()
+        _synchronize_all()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         out = model(next_ids, **_cache_kwargs(model, cache))
         next_ids = out.logits[:, -1:].argmax(-1)
-        torch.cuda.synchronize()
+        _synchronize_all()
         elapsed = time.perf_counter() - start
         del out
         if i >= WARMUP_STEPS:

@@ -12,34 +12,19 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 
 import torch
 
-from benchmarks.bench_e2e import BATCH, CONTEXT, DECODE_STEPS, LLAMA3_8B, WARMUP_STEPS, _cache_kwargs, build_model, prefill
+from benchmarks.bench_e2e import BATCH, CONTEXT, LLAMA3_8B, build_model, decode, prefill
 
 
-def _synchronize_all() -> None:
-    for index in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(index)
-
-
-@torch.inference_mode()
 def decode_tokens_per_s(model, input_ids: torch.Tensor) -> float:
-    """Prefill a TurboQuantCache with ``input_ids``, then the median tokens/s of DECODE_STEPS greedy steps."""
+    """Prefill a TurboQuantCache with ``input_ids``, then the median tokens/s of ``bench_e2e``'s timed decode steps."""
     from flashquant_hf import TurboQuantCache
 
     cache, next_ids, _ = prefill(model, TurboQuantCache, input_ids)
-    times = []
-    for i in range(WARMUP_STEPS + DECODE_STEPS):
-        _synchronize_all()
-        start = time.perf_counter()
-        out = model(next_ids, **_cache_kwargs(model, cache))
-        next_ids = out.logits[:, -1:].argmax(-1).to(input_ids.device)
-        _synchronize_all()
-        if i >= WARMUP_STEPS:
-            times.append(time.perf_counter() - start)
-    del cache, out
+    times, _ = decode(model, cache, next_ids)
+    del cache
     gc.collect()
     torch.cuda.empty_cache()
     return BATCH / statistics.median(times)

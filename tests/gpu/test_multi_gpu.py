@@ -29,12 +29,18 @@ WORKER = Path(__file__).resolve().parents[1] / "tp_worker.py"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
+def saved_model(tmp_path_factory) -> tuple[Path, int]:
+    """The random model saved once: (its directory, its parameter count)."""
     torch.manual_seed(int.from_bytes(os.urandom(2)))
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
     path = tmp_path_factory.mktemp("multi_gpu") / "model"
     model.save_pretrained(path)
-    return path
+    return path, sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def model_dir(saved_model) -> Path:
+    return saved_model[0]
 
 
 def _prompt(batch: int = 2, length: int = 80) -> torch.Tensor:
@@ -49,8 +55,9 @@ def _generate(model, prompt: torch.Tensor, cache) -> tuple[torch.Tensor, torch.T
     return out.sequences.cpu(), torch.stack(out.logits, 1).float().cpu()
 
 
-def _split_model(model_dir: Path):
-    weights = sum(p.numel() * 2 for p in transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).parameters())
+def _split_model(saved_model: tuple[Path, int]):
+    model_dir, params = saved_model
+    weights = 2 * params  # bf16 bytes
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.bfloat16, device_map="auto", max_memory={0: int(0.55 * weights), 1: 4 * weights})
     devices = {torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in model.hf_device_map.values()}
@@ -58,15 +65,16 @@ def _split_model(model_dir: Path):
     return model
 
 
-def test_device_map_split_with_exact_window_equals_dynamic_cache(model_dir):
-    model = _split_model(model_dir)
+def test_device_map_split_with_exact_window_equals_dynamic_cache(saved_model):
+    model = _split_model(saved_model)
     prompt = _prompt()
     assert torch.equal(_generate(model, prompt, TurboQuantCache(residual_length=10_000))[0],
                        _generate(model, prompt, DynamicCache())[0])
 
 
-def test_device_map_split_compressed_matches_one_gpu_and_keeps_each_layer_on_its_device(model_dir):
-    split = _split_model(model_dir)
+def test_device_map_split_compressed_matches_one_gpu_and_keeps_each_layer_on_its_device(saved_model):
+    model_dir = saved_model[0]
+    split = _split_model(saved_model)
     prompt = _prompt()
     cache = TurboQuantCache(residual_length=0, sink_tokens=0)
     seq, logits = _generate(split, prompt, cache)
