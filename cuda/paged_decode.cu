@@ -12,8 +12,9 @@
 //     t*D/8 ..); byte b holds dims 2b (high nibble) and 2b+1, so the lane's Q^T fragment is the contiguous
 //     dims t*D/4 + 4kk + {0,1} and {2,3} of head g.
 //   * PV: output row g of m-tile m is dim (D/8)g + 2m (high nibble of byte (D/16)g + m), row g+8 is the next
-//     dim (low nibble). The two keys 2t, 2t+1 of one A register are merged into one byte (high nibbles of both,
-//     or low nibbles of both) with two logic ops, then looked up like a key byte.
+//     dim (low nibble). The two keys of one A register (columns 2t, 2t+1; key_row says which keys those are) are
+//     merged into one byte (high nibbles of both, or low nibbles of both) with one logic op each, then looked up
+//     like a key byte.
 // The table maps a byte to the packed pair (centroid[high nibble] in the low half, centroid[low nibble] in the
 // high half), in the mma element type, with one copy per lane (K and V tables interleaved, entry e of lane l at
 // e*256 + tab*128 + l*4, see Lut) so lookups never conflict and one PRMT builds a lookup's address.
@@ -65,6 +66,25 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 // 3 -> 80 registers (24 warps/SM, fits the shared memory of the contiguous modes, experiment of version 5).
 #ifndef FQD_MIN_BLOCKS_W8
 #define FQD_MIN_BLOCKS_W8 2
+#endif
+// Swizzled columns in the cross-warp reduction's shared arrays (red_col), so the epilogue's float2 stores of the
+// O^T fragments do not conflict (plain layout: 16-way at head_dim 128). Contiguous layouts: 2 us faster per call
+// on the H200; the paged build measured 1.3 us slower with it (ptxas schedules its loop differently), so off there.
+#ifndef FQD_RED_SWIZZLE_CONTIGUOUS
+#define FQD_RED_SWIZZLE_CONTIGUOUS 1
+#endif
+#ifndef FQD_RED_SWIZZLE_PAGED
+#define FQD_RED_SWIZZLE_PAGED 0
+#endif
+// Key order inside a 16-key tile (key_row / value_row): 1 lets a warp's value loads cover whole consecutive rows
+// (half the L1 wavefronts); 0 is the plain order (A/B hook).
+#ifndef FQD_KEY_PERMUTE
+#define FQD_KEY_PERMUTE 1
+#endif
+// Paged L2 prefetch as cp.async.bulk.prefetch of whole sections, issued by one lane (sm_90; the copy engine walks
+// the bytes, not the LSU pipe); 0: one prefetch.global.L2 per key and section from every lane (A/B hook).
+#ifndef FQD_BULK_PREFETCH
+#define FQD_BULK_PREFETCH 1
 #endif
 // Timing ablations only (wrong results): bit 1 skips the table build, bit 2 the query load, bit 4 the cross-warp
 // reduction (warp 0 writes its own state), bit 8 returns at once (the launch alone).
@@ -180,6 +200,13 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// `bytes` (a multiple of 16) from the 16-byte aligned `p` into L2, by the copy engine (sm_90+).
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 // (a & mask) | (b & ~mask) in one LOP3 (ptxas emits two when the masks are written as separate constants).
 __device__ __forceinline__ u32 select_bits(u32 a, u32 b, u32 mask) {
   u32 r;
@@ -273,14 +300,28 @@ __device__ __forceinline__ void build_tables(unsigned char* smem, float centroid
   }
 }
 
+// Both products may take the keys of a tile in any order, as long as S^T's rows (keys in QK, then P^T's rows after
+// the transpose) and V^T's columns agree. Row i of S^T is key key_row(i): lane (g, t) scores keys key_row(g) and
+// key_row(g) + 8, and its V^T columns 2t, 2t+1, 2t+8, 2t+9 are the keys of S^T rows 2t, 2t+1, 2t+8, 2t+9, i.e.
+// value_row(0..3, t). With FQD_KEY_PERMUTE, key_row(2u) = u and key_row(2u + 1) = u + 4, so value_row(i, t) =
+// t + 4i: the 8 lanes sharing t read one whole value row each, and the four t of one load read rows t..t+3 (two
+// 128-byte lines, against four half-used lines for rows 2t in the plain order); the key loads still cover rows
+// 0-7 / 8-15 whole.
+__device__ __forceinline__ int key_row(int g) {
+  return FQD_KEY_PERMUTE ? (g >> 1) | ((g & 1) << 2) : g;
+}
+__device__ __forceinline__ int value_row(int i, int t) {
+  return FQD_KEY_PERMUTE ? t + 4 * i : 2 * t + (i & 1) + 8 * (i >> 1);
+}
+
 // Registers of one 16-key tile for lane (g, t).
 template <int D>
 struct Tile {
-  u32 k[2][Traits<D>::kKWords];  // key rows g, g+8: bytes t*D/8 ..
-  u32 v[4][Traits<D>::kVWords];  // value rows 2t, 2t+1, 2t+8, 2t+9: bytes g*D/16 ..
-  float kn[2];                   // key norms of rows g, g+8
-  float vn[2];                   // value norms of rows g, g+8
-  float bias[2];                 // key_bias of rows g, g+8 (MODE 1)
+  u32 k[2][Traits<D>::kKWords];  // keys key_row(g), key_row(g) + 8: bytes t*D/8 ..
+  u32 v[4][Traits<D>::kVWords];  // values value_row(0..3, t): bytes g*D/16 ..
+  float kn[2];                   // key norms of keys key_row(g), key_row(g) + 8
+  float vn[2];                   // value norms of the same keys (they scale P's rows g, g+8)
+  float bias[2];                 // key_bias of the same keys (MODE 1)
 };
 
 // `base + index * stride` (bytes) in one IMAD.WIDE.U32 (written in PTX so it is not split into a wide
@@ -312,26 +353,27 @@ struct KVAddress {
   // values and value norms for kPartV); keys past `last` are clamped to it (masked later).
   template <int PART>
   __device__ __forceinline__ void load(Tile<D>& tile, int ts, int last) const {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const u32 rk0 = min(ts + g, last), rk1 = min(ts + g + 8, last);
-    const u32 rv0 = min(ts + 2 * t, last), rv1 = min(ts + 2 * t + 1, last);
-    const u32 rv2 = min(ts + 2 * t + 8, last), rv3 = min(ts + 2 * t + 9, last);
+    const int lane = threadIdx.x & 31, kr = key_row(lane >> 2), t = lane & 3;
+    const int v0 = value_row(0, t), dv1 = value_row(1, t) - v0;  // value rows: v0, v0 + dv1, v0 + 8, v0 + dv1 + 8
+    const u32 rk0 = min(ts + kr, last), rk1 = min(ts + kr + 8, last);
+    const u32 rv0 = min(ts + v0, last), rv1 = min(ts + v0 + dv1, last);
+    const u32 rv2 = min(ts + v0 + 8, last), rv3 = min(ts + v0 + dv1 + 8, last);
     if constexpr (MODE == kPaged) {
       if (ts + 15 <= last && log2_bs >= 4) {
         // Common case: a whole tile inside one block (blocks of >= 16 keys, tiles at multiples of 16). One page
-        // lookup; each section's address is two IMAD.WIDE, and the rows +1, +8, +9 are immediate offsets.
+        // lookup; each section's address is two IMAD.WIDE, and the other rows are immediate offsets.
         const u32 page = pages[(ts >> log2_bs) - page0];
         const u32 r = static_cast<u32>(ts) & ((1u << log2_bs) - 1u);
-        const unsigned char* kp = at(at(k, page, page_stride), r + g, D / 2);
-        const unsigned char* vp = at(at(v, page, page_stride), r + 2 * t, D / 2);
-        const unsigned char* knp = at(at(kn, page, page_stride), r + g, 4);
-        const unsigned char* vnp = at(at(vn, page, page_stride), r + g, 4);
+        const unsigned char* kp = at(at(k, page, page_stride), r + kr, D / 2);
+        const unsigned char* vp = at(at(v, page, page_stride), r + v0, D / 2);
+        const unsigned char* knp = at(at(kn, page, page_stride), r + kr, 4);
+        const unsigned char* vnp = at(at(vn, page, page_stride), r + kr, 4);
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], kp);
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], kp + 8 * (D / 2));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], vp);
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], vp + D / 2);
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], vp + dv1 * (D / 2));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], vp + 8 * (D / 2));
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], vp + 9 * (D / 2));
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], vp + (dv1 + 8) * (D / 2));
         if constexpr ((PART & kPartK) != 0) tile.kn[0] = load_f32(reinterpret_cast<const float*>(knp));
         if constexpr ((PART & kPartK) != 0) tile.kn[1] = load_f32(reinterpret_cast<const float*>(knp + 32));
         if constexpr ((PART & kPartV) != 0) tile.vn[0] = load_f32(reinterpret_cast<const float*>(vnp));
@@ -361,24 +403,24 @@ struct KVAddress {
       if constexpr ((PART & kPartV) != 0) tile.vn[0] = load_f32(reinterpret_cast<const float*>(at(vn_lo, rk0 & mask, 4)));
       if constexpr ((PART & kPartV) != 0) tile.vn[1] = load_f32(reinterpret_cast<const float*>(at(vn_hi, rk1 & mask, 4)));
     } else {
-      if (ts + 15 <= last) {  // a whole tile: no clamping; rows +1, +8, +9 from the first row's address
+      if (ts + 15 <= last) {  // a whole tile: no clamping; the other rows from the first row's address
         const u32 r = static_cast<u32>(ts);
-        const unsigned char* kp = at(k, r + g, k_sn);
-        const unsigned char* vp = at(v, r + 2 * t, v_sn);
+        const unsigned char* kp = at(k, r + kr, k_sn);
+        const unsigned char* vp = at(v, r + v0, v_sn);
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], kp);
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], at(kp, 8u, k_sn));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], vp);
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], vp + v_sn);
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], at(vp, dv1, v_sn));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], at(vp, 8u, v_sn));
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], at(vp, 9u, v_sn));
-        const unsigned char* knp = at(kn, r + g, kn_sn);
-        const unsigned char* vnp = at(vn, r + g, vn_sn);
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], at(vp, dv1 + 8u, v_sn));
+        const unsigned char* knp = at(kn, r + kr, kn_sn);
+        const unsigned char* vnp = at(vn, r + kr, vn_sn);
         if constexpr ((PART & kPartK) != 0) tile.kn[0] = load_f32(reinterpret_cast<const float*>(knp));
         if constexpr ((PART & kPartK) != 0) tile.kn[1] = load_f32(reinterpret_cast<const float*>(at(knp, 8u, kn_sn)));
         if constexpr ((PART & kPartV) != 0) tile.vn[0] = load_f32(reinterpret_cast<const float*>(vnp));
         if constexpr ((PART & kPartV) != 0) tile.vn[1] = load_f32(reinterpret_cast<const float*>(at(vnp, 8u, vn_sn)));
         if constexpr (MODE == kContiguousBias) {
-          const unsigned char* bp = at(bias, r + g, bias_sn);
+          const unsigned char* bp = at(bias, r + kr, bias_sn);
           if constexpr ((PART & kPartK) != 0) tile.bias[0] = load_f32(reinterpret_cast<const float*>(bp));
           if constexpr ((PART & kPartK) != 0) tile.bias[1] = load_f32(reinterpret_cast<const float*>(at(bp, 8u, bias_sn)));
         }
@@ -406,6 +448,28 @@ struct KVAddress {
   // the bases stay inside the row's line.
   __device__ __forceinline__ void prefetch_chunk(int ts0, int last, int rows) const {
     const int lane = threadIdx.x & 31;
+#if FQD_BULK_PREFETCH && __CUDA_ARCH__ >= 900
+    if constexpr (MODE == kPaged) {
+      // Lane 0's bases are the sections' starts (its lane offsets are 0). Whole 16-key tiles only (a chunk's last,
+      // partial tile is not prefetched). Blocks of 8 or 16 keys: the tile covers whole blocks, whose four sections
+      // are contiguous (bs * (D + 8) bytes); larger blocks: one prefetch per section.
+      if (lane != 0) return;
+      for (int ts = ts0; ts < ts0 + rows && ts + 15 <= last; ts += 16) {
+        if (log2_bs <= 4) {
+          for (int n = ts; n < ts + 16; n += 1 << log2_bs)
+            prefetch_l2_bulk(at(k, pages[(n >> log2_bs) - page0], page_stride), (D + 8) << log2_bs);
+        } else {
+          const u32 page = pages[(ts >> log2_bs) - page0];
+          const u32 r = static_cast<u32>(ts) & ((1u << log2_bs) - 1u);
+          prefetch_l2_bulk(at(at(k, page, page_stride), r, D / 2), 16 * (D / 2));
+          prefetch_l2_bulk(at(at(v, page, page_stride), r, D / 2), 16 * (D / 2));
+          prefetch_l2_bulk(at(at(kn, page, page_stride), r, 4), 64);
+          prefetch_l2_bulk(at(at(vn, page, page_stride), r, 4), 64);
+        }
+      }
+      return;
+    }
+#endif
     const int n = ts0 + lane;
     if (lane >= rows || n > last) return;
     if constexpr (MODE == kPaged) {
@@ -444,7 +508,7 @@ template <int D, int W, int MODE>
 __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][4],
                                             const Tile<D> (&tiles)[Traits<D, W>::kTiles],
                                             const u32 (&qf)[Traits<D>::kSteps][2], const Lut& lut_k, int ts0,
-                                            int end, float scale_log2, int g, const float (&mu)[2]) {
+                                            int end, float scale_log2, int kr, const float (&mu)[2]) {
   using T = Traits<D, W>;
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
@@ -496,8 +560,8 @@ __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][4],
   if (ts0 + T::kChunk > end) {  // only the last iteration of a split has keys past its end
 #pragma unroll
     for (int j = 0; j < T::kTiles; ++j) {
-      if (ts0 + 16 * j + g >= end) s[j][0] = s[j][1] = -inf();
-      if (ts0 + 16 * j + g + 8 >= end) s[j][2] = s[j][3] = -inf();
+      if (ts0 + 16 * j + kr >= end) s[j][0] = s[j][1] = -inf();
+      if (ts0 + 16 * j + kr + 8 >= end) s[j][2] = s[j][3] = -inf();
     }
   }
 }
@@ -655,6 +719,18 @@ __device__ __forceinline__ float* cluster_partial(unsigned char* smem) {
   return reinterpret_cast<float*>(smem) + W * 8 * D + 2 * W * 8;  // [8][D] outputs, then [8] lse
 }
 
+// Column of element d of row `row` in the cross-warp reduction's [kWarps * 8][D] array. Lane (g, t) stores dims
+// (D/8)g + 2m of rows 2t, 2t+1 as float2; unswizzled those land on two bank pairs per store. XOR-ing the float2
+// index with t and the bits of g above the 32-float bank window spreads the 32 lanes over all 16 bank pairs (two
+// lanes each, the minimum for 256 bytes). The XOR is constant over aligned runs of 32 columns, so the merge's
+// reads of consecutive d stay conflict-free.
+template <int D, bool kSwizzle>
+__device__ __forceinline__ int red_col(int row, int d) {
+  if constexpr (!kSwizzle) return d;
+  const int x = (((row >> 1) & 3) | ((d >> 5) << 2)) & (D / 16 - 1);
+  return d ^ (2 * x);
+}
+
 // Grid (splits, H_kv * head_groups, batch); block kThreads. Output row of query head hq of sequence b is
 // b * num_q_heads + hq; partial s of a row lives at part_out[(s * rows + row) * D], part_lse[s * rows + row].
 // Built with FQD_CLUSTER_MERGE (and launched as clusters of `splits` CTAs), the splits merge in the cluster and
@@ -670,7 +746,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
                  const int* __restrict__ block_table, long long bt_sb, const int* __restrict__ seq_lens,
                  long long page_stride, int log2_bs, int num_keys,
                  const float* __restrict__ k_cent, const float* __restrict__ v_cent, float scale_log2,
-                 int num_q_heads, int group, int split_len, float* __restrict__ part_out,
+                 int num_q_heads, int group, int split_len, int long_splits, int short_len,
+                 float* __restrict__ part_out,
                  float* __restrict__ part_lse, int rows, int prefetch
                  ) {
   using T = Traits<D, W>;
@@ -696,16 +773,30 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 #if FQD_TIMELINE
   stamp[1] = global_ns();
 #endif
-  const int split = blockIdx.x;
+  // CTAs start in linear block order, the first one per SM ahead of the second, and an SM's first CTA runs ~9 %
+  // faster than its second (the schedulers favour older warps; docs/kernels_decode.md, version 11). So the CTAs are
+  // numbered split-major: the first `long_splits` splits of every unit, which the plan makes that much longer, come
+  // first and take the first places. (Cluster launches keep x = split: a cluster holds one unit's splits.)
+  int split, unit_y, b;
+  if constexpr (kClusterMerge) {
+    split = blockIdx.x, unit_y = blockIdx.y, b = blockIdx.z;
+  } else {
+    const int linear = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    const int units = gridDim.y * gridDim.z;
+    split = linear / units;
+    const int unit = linear - split * units;
+    b = unit / gridDim.y;
+    unit_y = unit - b * gridDim.y;
+  }
   const int head_groups = (group + 7) >> 3;
-  const int h = blockIdx.y / head_groups;
-  const int hg = blockIdx.y - h * head_groups;
-  const int b = blockIdx.z;
+  const int h = unit_y / head_groups;
+  const int hg = unit_y - h * head_groups;
   const int nh = min(8, group - hg * 8);  // query heads served by this CTA
   const int hq0 = h * group + hg * 8;
   const int len = MODE == kPaged ? seq_lens[b] : num_keys;
-  const int s0 = split * split_len;
-  const int s1 = min(s0 + split_len, len);
+  // Splits [0, long_splits) hold split_len keys, the later ones short_len.
+  const int s0 = split < long_splits ? split * split_len : long_splits * split_len + (split - long_splits) * short_len;
+  const int s1 = min(s0 + (split < long_splits ? split_len : short_len), len);
   const int tid = threadIdx.x;
 
   if (s0 >= s1) {  // empty split: contributes nothing to the merge
@@ -863,7 +954,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     if (prefetch > 0 && cn + prefetch * kWarps < nchunks)
       kv.prefetch_chunk(tile_at(cn + prefetch * kWarps, 0), last, T::kChunk);
     float s[T::kTiles][4];
-    tile_scores<D, W, MODE>(s, cur, qf, lut_k, tile_at(c, 0), s1, scale_log2, g, st.mu);
+    tile_scores<D, W, MODE>(s, cur, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row(g), st.mu);
     if (kSplitLoads && ck < nchunks) {
 #pragma unroll
       for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(cur[j], tile_at(ck, j), last);
@@ -900,16 +991,19 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 #endif
   // Merge the W warps through shared memory (the tables are dead now).
   __syncthreads();
-  float* red_acc = reinterpret_cast<float*>(smem);            // [kWarps][8][D]
+  constexpr bool kRedSwizzle = MODE == kPaged ? FQD_RED_SWIZZLE_PAGED : FQD_RED_SWIZZLE_CONTIGUOUS;
+  float* red_acc = reinterpret_cast<float*>(smem);            // [kWarps][8][D], columns red_col
   float* red_m = red_acc + kWarps * 8 * D;                    // [kWarps][8]
   float* red_l = red_m + kWarps * 8;                          // [kWarps][8]
   {
-    float* a0 = red_acc + (warp * 8 + 2 * t) * D + (D / 8) * g;
+    const int row = warp * 8 + 2 * t;
+    float* a0 = red_acc + row * D;
     float* a1 = a0 + D;
 #pragma unroll
     for (int m = 0; m < T::kMTiles; ++m) {
-      *reinterpret_cast<float2*>(a0 + 2 * m) = make_float2(st.acc[m][0], st.acc[m][2]);
-      *reinterpret_cast<float2*>(a1 + 2 * m) = make_float2(st.acc[m][1], st.acc[m][3]);
+      const int col = red_col<D, kRedSwizzle>(row, (D / 8) * g + 2 * m);  // (rows 2t and 2t + 1 share their swizzle)
+      *reinterpret_cast<float2*>(a0 + col) = make_float2(st.acc[m][0], st.acc[m][2]);
+      *reinterpret_cast<float2*>(a1 + col) = make_float2(st.acc[m][1], st.acc[m][3]);
     }
     if (g == 0) {
       red_m[warp * 8 + 2 * t] = st.mu[0] + st.thr[0];  // the running max
@@ -931,7 +1025,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       for (int w = 0; w < kWarps; ++w) {
         const float wt = ex2(red_m[w * 8 + hh] - mx);
         lsum += wt * red_l[w * 8 + hh];
-        o += wt * red_acc[(w * 8 + hh) * D + d];
+        o += wt * red_acc[(w * 8 + hh) * D + red_col<D, kRedSwizzle>(w * 8 + hh, d)];
       }
       o /= lsum;
     }

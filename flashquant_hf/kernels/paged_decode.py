@@ -60,6 +60,10 @@ CONTIGUOUS_PREFETCH_CHUNKS = 0  # the same for tq_decode (its split key/value lo
 # Extra NVRTC options of the decode kernels (experiments, e.g. "-DFQD_QK_CHAINS_PAGED=4"); part of every cache key.
 KERNEL_OPTIONS: tuple[str, ...] = tuple(os.environ.get("FQ_DECODE_NVRTC_OPTIONS", "").split())
 SLOT_FACTOR = 1.0  # planned CTA slots = SMs x resident CTAs x SLOT_FACTOR
+# How much faster an SM's first resident CTA runs than its second (the schedulers favour older warps): when a plan's
+# CTAs fill between one and two per SM, the splits the first places take (the kernel numbers CTAs split-major) get
+# this much longer key ranges than the others, so both places finish together. 1.0: equal splits.
+FIRST_PLACE_SPEEDUP = float(os.environ.get("FQ_DECODE_FIRST_PLACE_SPEEDUP", "1.09"))
 OVERHEAD_KEYS = 128  # per-CTA start/merge cost, in keys of streaming
 PARTIAL_KEYS = 64  # cost of writing + merging one partial result, in keys
 # Launch through cached cuLaunchKernel parameter arrays (kernels.loader.launch_cached) instead of CuPy's per-argument
@@ -84,12 +88,22 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """How one decode call is cut: ``splits`` key ranges of ``split_len`` keys; ``shared_mem`` bytes per CTA."""
+    """How one decode call is cut: ``splits`` key ranges per unit, the first ``long_splits`` of ``split_len`` keys
+    and the others of ``short_len`` (by default all of ``split_len``); ``shared_mem`` bytes per CTA."""
 
     splits: int
     split_len: int
     shared_mem: int
     slots: int
+    long_splits: int | None = None  # None: all splits are split_len long
+    short_len: int | None = None
+
+    @property
+    def kernel_lengths(self) -> tuple[int, int, int]:
+        """(split_len, long_splits, short_len) as the kernel takes them."""
+        if self.long_splits is None:
+            return self.split_len, self.splits, self.split_len
+        return self.split_len, self.long_splits, self.short_len
 
 
 @functools.cache
@@ -159,6 +173,30 @@ def plan_decode(units: int, max_len: int, head_dim: int, slots: int, log2_block_
     return DecodePlan(splits, split_len, LUT_BYTES + pages, slots)
 
 
+def balance_places(plan: DecodePlan, units: int, length: int, sms: int, ctas_per_sm: int,
+                   log2_block_size: int | None = None, speedup: float | None = None) -> DecodePlan:
+    """``plan`` with longer first splits for the CTAs that start first on their SM, ``speedup`` (default
+    ``FIRST_PLACE_SPEEDUP``) times longer than the others: applies to plans of 2+ splits whose CTAs fill more than
+    one and at most two places per SM of 2-CTA SMs, numbered split-major as the kernel does."""
+    speedup = FIRST_PLACE_SPEEDUP if speedup is None else speedup
+    ctas = units * plan.splits
+    long_splits = sms // units
+    if speedup == 1.0 or ctas_per_sm != 2 or not sms < ctas <= 2 * sms or not 0 < long_splits < plan.splits:
+        return plan
+    short_splits = plan.splits - long_splits
+    gran = GRANULE
+    long_len = round(length * speedup / (long_splits * speedup + short_splits) / gran) * gran
+    short_len = -(-(length - long_splits * long_len) // (short_splits * gran)) * gran
+    if short_len <= 0 or long_len <= short_len:
+        return plan
+    pages = 0
+    if log2_block_size is not None:
+        pages = 4 * ((long_len >> log2_block_size) + 1)
+        if pages > MAX_PAGE_BYTES - 4:
+            return plan
+    return DecodePlan(plan.splits, long_len, LUT_BYTES + pages, plan.slots, long_splits, short_len)
+
+
 @functools.lru_cache(maxsize=32)
 def _workspace(device_index: int, splits: int, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     # Reused by every layer of a step: the merge that reads it is stream-ordered before the next decode writes.
@@ -200,7 +238,7 @@ def clear_caches() -> None:
 def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_shape: tuple[int, int, int],
                 rows: int, length: int, log2_block_size: int | None) -> _Launch:
     key = (mode, head_dim, query_kind, index, units_shape, rows, length, log2_block_size, WARPS, SLOT_FACTOR,
-           KERNEL_OPTIONS, CLUSTER_MERGE)
+           FIRST_PLACE_SPEEDUP, KERNEL_OPTIONS, CLUSTER_MERGE)
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
@@ -209,6 +247,9 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_sha
     kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, KERNEL_OPTIONS)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
+    if not CLUSTER_MERGE:  # (a cluster launch numbers its CTAs x = split, see the kernel)
+        plan = balance_places(plan, batch * kv_heads * head_groups, length, _sm_count(index), ctas_per_sm,
+                              log2_block_size)
     grid = (plan.splits, kv_heads * head_groups, batch)
     merge = part_out = part_lse = None
     merge_ptr = 0
@@ -268,7 +309,7 @@ def run_decode(
         part_out, part_lse = setup.part_out, setup.part_lse
     args = (
         q3, np.int64(q_strides[0]), np.int64(q_strides[1]), np.int64(q_strides[2]), *tensor_args,
-        centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, plan.split_len,
+        centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, *plan.kernel_lengths,
         part_out, part_lse, rows, PREFETCH_CHUNKS if mode == MODE_PAGED else CONTIGUOUS_PREFETCH_CHUNKS,
     )
     launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem,

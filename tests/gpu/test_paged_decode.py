@@ -232,3 +232,51 @@ def test_paged_decode_cluster_merge(warps, monkeypatch, poison):
     pd.clear_caches()
     check(q, blocks, table, lens_t, 16, max_seq_len=1000)
     pd.clear_caches()
+
+
+def test_paged_decode_balanced_places(monkeypatch, poison):
+    """66 units x 4 splits fill the H200's 264 places: the plan gives the 132 first places (the CTAs numbered first)
+    longer splits than the second ones (``balance_places``); ragged lengths leave some short splits partial or
+    empty. Outputs poisoned first; equal to the reference and to the equal-splits plan."""
+    import flashquant_hf.kernels.paged_decode as pd
+    from flashquant_hf.kernels.paged_decode import paged_decode
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    seqs = sms // 4  # x 2 KV heads = sms / 2 units
+    lens = [4096 - 61 * (i % 7) for i in range(seqs - 1)] + [300]
+    blocks, table, lens_t = random_store(lens, 16, 2, 128, seed=90)
+    q = torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
+    c = centroids(128)
+    results = {}
+    real_empty = torch.empty
+    for speedup in (1.09, 1.0):
+        monkeypatch.setattr(pd, "FIRST_PLACE_SPEEDUP", speedup)
+        pd.clear_caches()
+        with monkeypatch.context() as patched:
+            patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+            results[speedup] = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16, 4096)
+        (setup,) = pd._LAUNCHES.values()
+        assert (setup.plan.long_splits is not None) == (speedup != 1.0), setup.plan
+    (a_out, a_lse), (b_out, b_lse) = results[1.09], results[1.0]
+    torch.testing.assert_close(a_out, b_out, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(a_lse, b_lse, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(pd, "FIRST_PLACE_SPEEDUP", 1.09)
+    pd.clear_caches()
+    check(q, blocks, table, lens_t, 16, max_seq_len=4096)
+    pd.clear_caches()
+
+
+@pytest.mark.parametrize("options", [("-DFQD_KEY_PERMUTE=0",), ("-DFQD_BULK_PREFETCH=0",), ("-DFQD_RED_SWIZZLE_PAGED=1",)])
+def test_paged_decode_layout_hooks(options, monkeypatch):
+    """The plain key order, the per-lane L2 prefetch and the swizzled reduction (the A/B alternatives of version 11)
+    stay correct: ragged sequences, block sizes 8 and 32, L2 prefetch on."""
+    import flashquant_hf.kernels.paged_decode as pd
+
+    monkeypatch.setattr(pd, "KERNEL_OPTIONS", options)
+    monkeypatch.setattr(pd, "PREFETCH_CHUNKS", 1)
+    pd.clear_caches()
+    for block_size in (8, 32):
+        lens = [3000, 1, 0, 77, 1025]
+        blocks, table, lens_t = random_store(lens, block_size, 2, 128, seed=95 + block_size)
+        check(torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16), blocks, table, lens_t, block_size)
+    pd.clear_caches()

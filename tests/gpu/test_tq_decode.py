@@ -317,3 +317,42 @@ def test_tq_decode_cluster_merge(warps, monkeypatch):
         assert_close_rel(*results[True][1], *reference64(q, cache, c, bias))
         assert torch.all(results[True][1][0][1] == 0) and torch.all(results[True][1][1][1] == -math.inf)
     pd.clear_caches()
+
+
+def test_tq_decode_balanced_places(monkeypatch):
+    """Contiguous layout with the first-place-longer splits of ``balance_places`` (sms / 2 units x 4 splits), with
+    key_bias padding: equal to float64 and to equal splits."""
+    import flashquant_hf.kernels.paged_decode as pd
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = sms // 4
+    c = centroids(128)
+    cache = random_cache(batch, 2, 4096, 128, capacity_extra=30, seed=91)
+    q = torch.randn(batch, 8, 1, 128, device=DEV, dtype=torch.bfloat16)
+    bias = torch.zeros(batch, 4096, device=DEV)
+    bias[3, 1000:] = -math.inf
+    results = {}
+    for speedup in (1.09, 1.0):
+        monkeypatch.setattr(pd, "FIRST_PLACE_SPEEDUP", speedup)
+        pd.clear_caches()
+        results[speedup] = run(q, cache, c, bias)
+        plans = [s.plan for s in pd._LAUNCHES.values()]
+        assert plans and all((p.long_splits is not None) == (speedup != 1.0) for p in plans), plans
+    torch.testing.assert_close(results[1.09][0], results[1.0][0], rtol=2e-3, atol=2e-3)
+    assert_close_rel(*results[1.09], *reference64(q, cache, c, bias))
+    pd.clear_caches()
+
+
+@pytest.mark.parametrize("options", [("-DFQD_KEY_PERMUTE=0",), ("-DFQD_RED_SWIZZLE_CONTIGUOUS=0",)])
+def test_tq_decode_layout_hooks(options, monkeypatch):
+    """The plain key order and the unswizzled reduction (version 11's A/B alternatives) stay correct."""
+    import flashquant_hf.kernels.paged_decode as pd
+
+    monkeypatch.setattr(pd, "KERNEL_OPTIONS", options)
+    pd.clear_caches()
+    c = centroids(128)
+    for num_keys in (4133, 97):
+        cache = random_cache(3, 2, num_keys, 128, capacity_extra=5, seed=96)
+        q = torch.randn(3, 8, 1, 128, device=DEV, dtype=torch.bfloat16)
+        assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
+    pd.clear_caches()

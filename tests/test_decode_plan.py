@@ -1,0 +1,62 @@
+"""The split plan of the CUDA decode (``kernels/paged_decode.py``: ``plan_decode``, ``balance_places``) on CPU."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashquant_hf.kernels.paged_decode as pd
+
+
+def finish_time(units, lengths, sms, first_speedup):
+    """When the last CTA ends if CTAs take places in linear (split-major) order, SM by SM, the first place running
+    ``first_speedup`` times faster than the second (the model balance_places plans for)."""
+    ctas = [length for length in lengths for _ in range(units)]  # split-major: every unit's split 0 first
+    return max(keys / (first_speedup if i < sms else 1.0) for i, keys in enumerate(ctas))
+
+
+def split_lengths(plan):
+    split_len, long_splits, short_len = plan.kernel_lengths
+    return [split_len] * long_splits + [short_len] * (plan.splits - long_splits)
+
+
+@settings(max_examples=200, deadline=None)
+@given(units=st.integers(1, 300), length=st.integers(1, 300_000), sms=st.sampled_from([66, 108, 132]),
+       log2_bs=st.sampled_from([None, 3, 4, 6]), speedup=st.sampled_from([1.05, 1.09, 1.2]))
+def test_balanced_plan_covers_the_keys_and_shortens_the_slowest_place(units, length, sms, log2_bs, speedup):
+    length = -(-length // pd.GRANULE) * pd.GRANULE
+    plan = pd.plan_decode(units, length, 128, 2 * sms, log2_bs)
+    balanced = pd.balance_places(plan, units, length, sms, 2, log2_bs, speedup)
+    lengths = split_lengths(balanced)
+    assert sum(lengths) >= length, (plan, balanced)
+    if balanced == plan:
+        return
+    assert all(n % pd.GRANULE == 0 and n > 0 for n in lengths)
+    ctas = units * plan.splits
+    assert sms < ctas <= 2 * sms and balanced.splits == plan.splits
+    assert units * balanced.long_splits <= sms  # every long split takes a first place
+    assert balanced.split_len > balanced.short_len
+    if log2_bs is not None:  # the block-table slice of a long split fits the kernel's shared copy
+        assert balanced.shared_mem - pd.LUT_BYTES == 4 * ((balanced.split_len >> log2_bs) + 1) <= pd.MAX_PAGE_BYTES
+    assert finish_time(units, lengths, sms, speedup) <= finish_time(units, split_lengths(plan), sms, speedup)
+
+
+@pytest.mark.parametrize("units,length,splits,long_splits", [(64, 32768, 4, 2), (8, 131072, 32, 16)])
+def test_h200_benchmark_shapes_get_longer_first_splits(units, length, splits, long_splits):
+    plan = pd.balance_places(pd.plan_decode(units, length, 128, 264, 4), units, length, 132, 2, 4, 1.09)
+    assert (plan.splits, plan.long_splits) == (splits, long_splits)
+    ratio = plan.split_len / plan.short_len
+    assert math.isclose(ratio, 1.09, rel_tol=0.03), ratio
+
+
+@pytest.mark.parametrize("units,length,ctas_per_sm,speedup", [
+    (256, 8192, 2, 1.09),   # one split per unit (B=32): nothing to move between places
+    (64, 32768, 3, 1.09),   # 3 CTAs per SM: not the two-place model
+    (64, 32768, 2, 1.0),    # switched off
+    (4, 4096, 2, 1.09),     # fewer CTAs than SMs: every CTA has a first place
+])
+def test_balance_leaves_other_plans_alone(units, length, ctas_per_sm, speedup):
+    plan = pd.plan_decode(units, length, 128, ctas_per_sm * 132, None)
+    assert pd.balance_places(plan, units, length, 132, ctas_per_sm, None, speedup) == plan
+    assert plan.kernel_lengths == (plan.split_len, plan.splits, plan.split_len)
