@@ -243,7 +243,7 @@ def test_paged_decode_balanced_places(monkeypatch, poison):
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     seqs = sms // 4  # x 2 KV heads = sms / 2 units
-    lens = [4096 - 61 * (i % 7) for i in range(seqs - 1)] + [300]
+    lens = [16384 - 61 * (i % 7) for i in range(seqs - 1)] + [300]  # 4 splits of ~4K: room for 1.09x
     blocks, table, lens_t = random_store(lens, 16, 2, 128, seed=90)
     q = torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
     c = centroids(128)
@@ -254,7 +254,7 @@ def test_paged_decode_balanced_places(monkeypatch, poison):
         pd.clear_caches()
         with monkeypatch.context() as patched:
             patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
-            results[speedup] = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16, 4096)
+            results[speedup] = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16, 16384)
         (setup,) = pd._LAUNCHES.values()
         assert (setup.plan.long_splits is not None) == (speedup != 1.0), setup.plan
     (a_out, a_lse), (b_out, b_lse) = results[1.09], results[1.0]
@@ -262,7 +262,7 @@ def test_paged_decode_balanced_places(monkeypatch, poison):
     torch.testing.assert_close(a_lse, b_lse, rtol=1e-4, atol=1e-4)
     monkeypatch.setattr(pd, "FIRST_PLACE_SPEEDUP", 1.09)
     pd.clear_caches()
-    check(q, blocks, table, lens_t, 16, max_seq_len=4096)
+    check(q, blocks, table, lens_t, 16, max_seq_len=16384)
     pd.clear_caches()
 
 
