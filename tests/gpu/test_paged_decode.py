@@ -37,6 +37,20 @@ def random_store(lens, block_size, kv_heads, head_dim, seed=0):
     return blocks, table.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
+def decode_poisoned(monkeypatch, poison, *args):
+    """``paged_decode(*args)`` from cleared caches with every ``torch.empty`` poisoned; returns its result and the
+    one launch it planned."""
+    import flashquant_hf.kernels.paged_decode as pd
+
+    pd.clear_caches()
+    real_empty = torch.empty
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+        result = pd.paged_decode(*args)
+    (setup,) = pd._LAUNCHES.values()
+    return result, setup
+
+
 def check(q_rot, blocks, table, lens, block_size, tol=1e-2, max_seq_len=None):
     from flashquant_hf.kernels.paged_decode import paged_decode
 
@@ -206,7 +220,6 @@ def test_paged_decode_cluster_merge(warps, monkeypatch, poison):
     (empty splits take part in the cluster barriers with lse -inf); outputs poisoned first; equal to the merge
     kernel and the reference, and the launch must really be clustered."""
     import flashquant_hf.kernels.paged_decode as pd
-    from flashquant_hf.kernels.paged_decode import paged_decode
 
     monkeypatch.setattr(pd, "WARPS", warps)
     c = centroids(128)
@@ -214,14 +227,10 @@ def test_paged_decode_cluster_merge(warps, monkeypatch, poison):
     blocks, table, lens_t = random_store(lens, 16, 2, 128, seed=60 + warps)
     q = torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
     results = {}
-    real_empty = torch.empty
     for clustered in (True, False):
         monkeypatch.setattr(pd, "CLUSTER_MERGE", clustered)
-        pd.clear_caches()
-        with monkeypatch.context() as patched:
-            patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
-            results[clustered] = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16, 1000)
-        (setup,) = pd._LAUNCHES.values()
+        results[clustered], setup = decode_poisoned(monkeypatch, poison, q, blocks, table, lens_t, c, c, 4, 4, 0.09,
+                                                    16, 1000)
         assert 1 < setup.plan.splits <= pd.MAX_CLUSTER_SPLITS
         assert (setup.cluster == setup.plan.splits and setup.merge is None) == clustered, (setup.plan, setup.cluster)
     (a_out, a_lse), (b_out, b_lse) = results[True], results[False]
@@ -239,7 +248,6 @@ def test_paged_decode_balanced_places(monkeypatch, poison):
     longer splits than the second ones (``balance_places``); ragged lengths leave some short splits partial or
     empty. Outputs poisoned first; equal to the reference and to the equal-splits plan."""
     import flashquant_hf.kernels.paged_decode as pd
-    from flashquant_hf.kernels.paged_decode import paged_decode
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     seqs = sms // 4  # x 2 KV heads = sms / 2 units
@@ -248,14 +256,10 @@ def test_paged_decode_balanced_places(monkeypatch, poison):
     q = torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
     c = centroids(128)
     results = {}
-    real_empty = torch.empty
     for speedup in (1.09, 1.0):
         monkeypatch.setattr(pd, "FIRST_PLACE_SPEEDUP", speedup)
-        pd.clear_caches()
-        with monkeypatch.context() as patched:
-            patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
-            results[speedup] = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16, 16384)
-        (setup,) = pd._LAUNCHES.values()
+        results[speedup], setup = decode_poisoned(monkeypatch, poison, q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16,
+                                                  16384)
         assert (setup.plan.long_splits is not None) == (speedup != 1.0), setup.plan
     (a_out, a_lse), (b_out, b_lse) = results[1.09], results[1.0]
     torch.testing.assert_close(a_out, b_out, rtol=2e-3, atol=2e-3)
