@@ -496,6 +496,8 @@ struct WarpState {
                                      // over g), or 0 while that is -inf
   float thr[2];                      // running max - mu: 0, or -inf while no key was seen (scores arrive as s - mu)
   float l[2];                        // partial denominators over this lane's keys
+
+  __device__ __forceinline__ float running_max(int i) const { return mu[i] + thr[i]; }
 };
 
 // The three stages of one warp iteration over kTiles tiles of 16 keys starting at ts0:
@@ -585,7 +587,7 @@ __device__ __forceinline__ void update_max(WarpState<D>& st, float (&s)[Traits<D
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
     }
-    const float m0 = st.mu[0] + st.thr[0], m1 = st.mu[1] + st.thr[1];  // the running max
+    const float m0 = st.running_max(0), m1 = st.running_max(1);
     const float mn0 = fmaxf(m0, mx0 + st.mu[0]), mn1 = fmaxf(m1, mx1 + st.mu[1]);
     // A column that has seen only masked keys keeps max -inf; subtract 0 instead so no inf - inf appears.
     const float mu0 = mn0 == -inf() ? 0.f : mn0, mu1 = mn1 == -inf() ? 0.f : mn1;
@@ -631,7 +633,8 @@ __device__ __forceinline__ void accumulate_pv(WarpState<D>& st, const float (&s)
     u32 xa[T::kVWords], ya[T::kVWords], xb[T::kVWords], yb[T::kVWords];
 #pragma unroll
     for (int w = 0; w < T::kVWords; ++w) {
-      // byte i of x: high nibbles of keys (2t, 2t+1); of y: their low nibbles. Same for keys 2t+8, 2t+9.
+      // byte i of x: high nibbles of the keys of columns 2t, 2t+1 (key_row); of y: their low nibbles. Same for
+      // columns 2t+8, 2t+9.
       xa[w] = select_bits(tiles[j].v[0][w], tiles[j].v[1][w] >> 4, 0xF0F0F0F0u);
       ya[w] = select_bits(tiles[j].v[0][w] << 4, tiles[j].v[1][w], 0xF0F0F0F0u);
       xb[w] = select_bits(tiles[j].v[2][w], tiles[j].v[3][w] >> 4, 0xF0F0F0F0u);
@@ -984,7 +987,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     if (warp == 0 && g == 0) {
       const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + (2 * t) % nh;
       for (int m = 0; m < T::kMTiles; ++m) part_out[row * D + 2 * m] = st.acc[m][0] / st.l[0];
-      part_lse[row] = st.mu[0] + st.thr[0];
+      part_lse[row] = st.running_max(0);
     }
     return;
   }
@@ -1006,8 +1009,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       *reinterpret_cast<float2*>(a1 + col) = make_float2(st.acc[m][1], st.acc[m][3]);
     }
     if (g == 0) {
-      red_m[warp * 8 + 2 * t] = st.mu[0] + st.thr[0];  // the running max
-      red_m[warp * 8 + 2 * t + 1] = st.mu[1] + st.thr[1];
+      red_m[warp * 8 + 2 * t] = st.running_max(0);
+      red_m[warp * 8 + 2 * t + 1] = st.running_max(1);
       red_l[warp * 8 + 2 * t] = st.l[0];
       red_l[warp * 8 + 2 * t + 1] = st.l[1];
     }
