@@ -7,43 +7,28 @@ that does not: per-rank KV heads reaching the cache, and results equal to the si
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+import tp_worker
 from hf_helpers import VOCAB, tiny_model
 from transformers import DynamicCache
 
 from flashquant_hf import TurboQuantCache
 
 STEPS = 24
-WORKER = Path(__file__).with_name("tp_worker.py")
-
-
-def _torchrun() -> str | None:
-    found = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    return found or shutil.which("torchrun")
 
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    torchrun = _torchrun()
-    if torchrun is None:
+    runner = tp_worker.torchrun()
+    if runner is None:
         pytest.skip("torchrun is not installed")
     tmp = tmp_path_factory.mktemp("tp")
     model = tiny_model("llama")
     model.save_pretrained(tmp / "model")
     prompt = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(2))))
-    torch.save(prompt, tmp / "prompt.pt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", str(WORKER),
-           str(tmp / "model"), str(tmp / "out.pt"), str(tmp / "prompt.pt"), str(STEPS)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return model, prompt, torch.load(tmp / "out.pt")
+    return model, prompt, tp_worker.launch(runner, tmp / "model", prompt, STEPS, tmp)
 
 
 def _single(model, prompt, cache):

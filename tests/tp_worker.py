@@ -3,11 +3,15 @@ tests/gpu/test_multi_gpu.py (``cuda`` as a fifth argument: NCCL, one GPU per ran
 
 Loads the saved tiny model with ``tp_plan="auto"`` (attention heads split across ranks), generates greedily with
 DynamicCache and with TurboQuantCache (window longer than the sequence, and every token compressed), and rank 0
-saves the sequences, the per-step logits and each rank's KV-head count to ``argv[2]``.
+saves the sequences, the per-step logits and each rank's KV-head count to ``argv[2]``. The tests start it with
+:func:`launch`.
 """
 
 import os
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,6 +42,28 @@ def main(model_dir: str, out_path: str, prompt_path: str, steps: int, device: st
             results[name + "_kv_heads"] = cache.layers[0].num_heads
     if dist.get_rank() == 0:
         torch.save(results, out_path)
+
+
+def torchrun() -> str | None:
+    """The torchrun next to this interpreter, else the one on PATH; None when there is none."""
+    return shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+
+
+def launch(runner: str, model_dir: Path, prompt: torch.Tensor, steps: int, work_dir: Path, device: str = "cpu",
+           timeout: float = 300) -> dict:
+    """Run this worker with ``runner`` (a torchrun) on two ranks (``device`` "cpu": gloo, one thread each;
+    "cuda": NCCL, one GPU each) over the model saved in ``model_dir`` and return rank 0's results."""
+    torch.save(prompt, work_dir / "prompt.pt")
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    if device == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+    cmd = [runner, "--standalone", "--nproc_per_node", "2", str(Path(__file__).resolve()), str(model_dir),
+           str(work_dir / "out.pt"), str(work_dir / "prompt.pt"), str(steps), device]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return torch.load(work_dir / "out.pt")
 
 
 if __name__ == "__main__":

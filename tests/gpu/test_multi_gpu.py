@@ -6,13 +6,11 @@ ranks (tests/test_tensor_parallel.py)."""
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import tp_worker
 import transformers
 from transformers import DynamicCache
 
@@ -25,7 +23,6 @@ LLAMA = dict(
     vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
     num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
 )
-WORKER = Path(__file__).resolve().parents[1] / "tp_worker.py"
 
 
 @pytest.fixture(scope="module")
@@ -88,18 +85,12 @@ def test_device_map_split_compressed_matches_one_gpu_and_keeps_each_layer_on_its
 
 @pytest.fixture(scope="module")
 def tp_results(model_dir, tmp_path_factory):
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    if torchrun is None:
+    runner = tp_worker.torchrun()
+    if runner is None:
         pytest.skip("torchrun is not installed")
-    tmp = tmp_path_factory.mktemp("tp_gpu")
     prompt = _prompt(batch=1)
-    torch.save(prompt, tmp / "prompt.pt")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), str(WORKER.parents[1])])}
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", str(WORKER), str(model_dir), str(tmp / "out.pt"),
-           str(tmp / "prompt.pt"), str(STEPS), "cuda"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return prompt, torch.load(tmp / "out.pt")
+    return prompt, tp_worker.launch(runner, model_dir, prompt, STEPS, tmp_path_factory.mktemp("tp_gpu"), "cuda",
+                                    timeout=600)
 
 
 def test_tp_ranks_cache_their_own_kv_heads_and_exact_window_equals_dynamic_cache(tp_results):
