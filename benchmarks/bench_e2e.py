@@ -199,8 +199,10 @@ def run(record) -> None:
     record("e2e_total_s", time.perf_counter() - began, "s", "< 240")
 
 
-if __name__ == "__main__":
-    def _print(name, value, unit, target=None):
-        print(f"{name:<48} {value:>12.4g} {unit:<9} {target or ''}", flush=True)
+def print_record(name, value, unit, target=None) -> None:
+    """A ``record`` for running a benchmark module on its own: prints the row."""
+    print(f"{name:<48} {value:>12.4g} {unit:<9} {target or ''}", flush=True)
 
-    run(_print)
+
+if __name__ == "__main__":
+    run(print_record)

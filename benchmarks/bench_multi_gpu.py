@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from benchmarks.bench_e2e import BATCH, CONTEXT, LLAMA3_8B, build_model, decode, prefill
+from benchmarks.bench_e2e import BATCH, CONTEXT, LLAMA3_8B, build_model, decode, prefill, print_record
 
 
 def decode_tokens_per_s(model, input_ids: torch.Tensor) -> float:
@@ -60,7 +60,4 @@ def run(record) -> None:
 
 
 if __name__ == "__main__":
-    def _print(name, value, unit, target=None):
-        print(f"{name:<48} {value:>12.4g} {unit:<9} {target or ''}", flush=True)
-
-    run(_print)
+    run(print_record)
