@@ -86,6 +86,13 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #ifndef FQD_BULK_PREFETCH
 #define FQD_BULK_PREFETCH 1
 #endif
+// How far (log2 units) a score may exceed the running max before the accumulators are rescaled to it (bf16 P V only:
+// P then reaches 2^slack, which bf16 holds at full precision; fp16 P V, whose P * value norm must stay in fp16 range,
+// rescales at every new max). Fewer steps take the rescale path (docs/kernels_decode.md, version 12).
+#ifndef FQD_RESCALE_SLACK
+#define FQD_RESCALE_SLACK 8.f
+#endif
+
 // Timing ablations only (wrong results): bit 1 skips the table build, bit 2 the query load, bit 4 the cross-warp
 // reduction (warp 0 writes its own state), bit 8 returns at once (the launch alone).
 #ifndef FQD_ABLATE
@@ -336,10 +343,13 @@ __device__ __forceinline__ const unsigned char* at(const unsigned char* base, u3
 // Contiguous: one base per tensor plus byte strides between keys.
 // Paged: [block][kv head][K idx bs*D/2 | K norm bs*4 | V idx bs*D/2 | V norm bs*4]; the split's block-table
 // slice sits in shared memory and pages are found with shifts.
-// The K base already points at the lane's quarter of a row (t*D/8), the V base at its eighth (g*D/16).
+// The K base already points at the lane's quarter of a row (t*D/8), the V base at its eighth (g*D/16). Paged bases
+// also hold the lane's rows in a tile (key_row(g) for K and both norms, value_row(0, t) for V), so a whole tile of a
+// 16-key block costs one page lookup, one wide multiply and four 64-bit adds: the tile's rows were rederived from
+// %tid at every tile otherwise (ptxas at 128 registers; docs/kernels_decode.md, version 12).
 template <int D, int MODE>
 struct KVAddress {
-  const unsigned char* k;   // contiguous: sequence base; paged: this head's K section in block 0
+  const unsigned char* k;   // contiguous: sequence base; paged: this head's K section in block 0 (+ lane offsets)
   const unsigned char* v;
   const unsigned char* kn;
   const unsigned char* vn;
@@ -360,14 +370,19 @@ struct KVAddress {
     const u32 rv2 = min(ts + v0 + 8, last), rv3 = min(ts + v0 + dv1 + 8, last);
     if constexpr (MODE == kPaged) {
       if (ts + 15 <= last && log2_bs >= 4) {
-        // Common case: a whole tile inside one block (blocks of >= 16 keys, tiles at multiples of 16). One page
-        // lookup; each section's address is two IMAD.WIDE, and the other rows are immediate offsets.
+        // Common case: a whole tile inside one block (blocks of >= 16 keys, tiles at multiples of 16). The bases
+        // already hold the lane's rows, so each section is one IMAD.WIDE from the page (blocks of 16 keys), and the
+        // other rows are immediate offsets.
         const u32 page = pages[(ts >> log2_bs) - page0];
-        const u32 r = static_cast<u32>(ts) & ((1u << log2_bs) - 1u);
-        const unsigned char* kp = at(at(k, page, page_stride), r + kr, D / 2);
-        const unsigned char* vp = at(at(v, page, page_stride), r + v0, D / 2);
-        const unsigned char* knp = at(at(kn, page, page_stride), r + kr, 4);
-        const unsigned char* vnp = at(at(vn, page, page_stride), r + kr, 4);
+        const unsigned char *kp, *vp, *knp, *vnp;
+        if (log2_bs == 4) {
+          kp = at(k, page, page_stride), vp = at(v, page, page_stride);
+          knp = at(kn, page, page_stride), vnp = at(vn, page, page_stride);
+        } else {
+          const u32 r = static_cast<u32>(ts) & ((1u << log2_bs) - 1u);
+          kp = at(k + r * (D / 2), page, page_stride), vp = at(v + r * (D / 2), page, page_stride);
+          knp = at(kn + r * 4, page, page_stride), vnp = at(vn + r * 4, page, page_stride);
+        }
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], kp);
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], kp + 8 * (D / 2));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], vp);
@@ -380,6 +395,11 @@ struct KVAddress {
         if constexpr ((PART & kPartV) != 0) tile.vn[1] = load_f32(reinterpret_cast<const float*>(vnp + 32));
         return;
       }
+      // The general path addresses rows from the sections' starts.
+      const unsigned char* const k = this->k - kr * (D / 2);
+      const unsigned char* const v = this->v - v0 * (D / 2);
+      const unsigned char* const kn = this->kn - kr * 4;
+      const unsigned char* const vn = this->vn - kr * 4;
       // Tiles start at multiples of 16, so keys ts..ts+7 share a block, and so do ts+8..ts+15.
       const u32 plo = pages[(min(ts, last) >> log2_bs) - page0];  // a tile past `last` reuses its block
       const u32 phi = pages[(min(ts + 8, last) >> log2_bs) - page0];
@@ -443,19 +463,29 @@ struct KVAddress {
     }
   }
 
-  // L2 prefetch of the chunk starting at ts0: lane l touches the 128-byte lines of key ts0 + l (K row, V row,
-  // both norms), so the warp covers all rows without holding registers for them. The lane offsets already in
-  // the bases stay inside the row's line.
-  __device__ __forceinline__ void prefetch_chunk(int ts0, int last, int rows) const {
+  // L2 prefetch of the chunk starting at ts0 (kRows keys). Paged (sm_90): lane 0 issues cp.async.bulk.prefetch of
+  // whole 16-key tiles (a chunk's last, partial tile is not prefetched); lane 0's bases are the sections' starts (its
+  // column and row offsets are 0). Otherwise lane l touches the 128-byte lines of key ts0 + l (K row, V row, both
+  // norms), so the warp covers all rows without holding registers for them.
+  template <int kRows>
+  __device__ __forceinline__ void prefetch_chunk(int ts0, int last) const {
     const int lane = threadIdx.x & 31;
 #if FQD_BULK_PREFETCH && __CUDA_ARCH__ >= 900
     if constexpr (MODE == kPaged) {
-      // Lane 0's bases are the sections' starts (its lane offsets are 0). Whole 16-key tiles only (a chunk's last,
-      // partial tile is not prefetched). Blocks of 8 or 16 keys: the tile covers whole blocks, whose four sections
-      // are contiguous (bs * (D + 8) bytes); larger blocks: one prefetch per section.
+      if (log2_bs == 4) {  // the common block size: the tile is one block, its four sections one run of bytes
+#pragma unroll
+        for (int j = 0; j < kRows / 16; ++j) {
+          const int ts = ts0 + 16 * j;
+          if (ts + 15 > last) break;
+          const u32 page = pages[(ts >> 4) - page0];
+          if (lane == 0) prefetch_l2_bulk(at(k, page, page_stride), (D + 8) << 4);
+        }
+        return;
+      }
+      // Blocks of 8 keys: two blocks per tile; larger blocks: one prefetch per section.
       if (lane != 0) return;
-      for (int ts = ts0; ts < ts0 + rows && ts + 15 <= last; ts += 16) {
-        if (log2_bs <= 4) {
+      for (int ts = ts0; ts < ts0 + kRows && ts + 15 <= last; ts += 16) {
+        if (log2_bs < 4) {
           for (int n = ts; n < ts + 16; n += 1 << log2_bs)
             prefetch_l2_bulk(at(k, pages[(n >> log2_bs) - page0], page_stride), (D + 8) << log2_bs);
         } else {
@@ -471,8 +501,13 @@ struct KVAddress {
     }
 #endif
     const int n = ts0 + lane;
-    if (lane >= rows || n > last) return;
+    if (lane >= kRows || n > last) return;
     if constexpr (MODE == kPaged) {
+      const int kr = key_row(lane >> 2), v0 = value_row(0, lane & 3);
+      const unsigned char* const k = this->k - kr * (D / 2);  // the sections' starts (plus the lane's columns)
+      const unsigned char* const v = this->v - v0 * (D / 2);
+      const unsigned char* const kn = this->kn - kr * 4;
+      const unsigned char* const vn = this->vn - kr * 4;
       const u32 page = pages[(n >> log2_bs) - page0];
       const u32 r = static_cast<u32>(n) & ((1u << log2_bs) - 1u);
       prefetch_l2(at(at(k, page, page_stride), r, D / 2));
@@ -492,9 +527,10 @@ struct KVAddress {
 template <int D>
 struct WarpState {
   float acc[Traits<D>::kMTiles][4];  // O^T: rows dims (D/8)g+2m (+1 for [2],[3]), cols heads 2t, 2t+1
-  float mu[2];                       // the value subtracted before exp2: the running max (log2 domain, uniform
-                                     // over g), or 0 while that is -inf
-  float thr[2];                      // running max - mu: 0, or -inf while no key was seen (scores arrive as s - mu)
+  float mu[2];                       // the value subtracted before exp2: the running max at the last rescale
+                                     // (log2 domain, uniform over g; later scores may exceed it by FQD_RESCALE_SLACK),
+                                     // or 0 while that is -inf
+  float thr[2];                      // max - mu: 0, or -inf while no key was seen (scores arrive as s - mu)
   float l[2];                        // partial denominators over this lane's keys
 
   __device__ __forceinline__ float running_max(int i) const { return mu[i] + thr[i]; }
@@ -569,19 +605,20 @@ __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][4],
 }
 
 // s arrives as score - mu and leaves shifted by the new mu.
-template <int D, int W>
+template <int D, int W, bool F16PV>
 __device__ __forceinline__ void update_max(WarpState<D>& st, float (&s)[Traits<D, W>::kTiles][4]) {
   using T = Traits<D, W>;
+  constexpr float kSlack = F16PV ? 0.f : FQD_RESCALE_SLACK;
   float mx0 = fmaxf(s[0][0], s[0][2]), mx1 = fmaxf(s[0][1], s[0][3]);
 #pragma unroll
   for (int j = 1; j < T::kTiles; ++j) {
     mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][2]));
     mx1 = fmaxf(mx1, fmaxf(s[j][1], s[j][3]));
   }
-  // Once the running max has settled, no lane's scores exceed it: one vote then replaces the column-max
-  // shuffles and the rescale. Only when some lane's score is above its column's max are the lane maxima reduced
-  // over the 8 lanes of each column and the accumulators rescaled.
-  if (__any_sync(0xffffffffu, (mx0 > st.thr[0]) | (mx1 > st.thr[1]))) {
+  // Once the running max has settled, no lane's scores exceed it (by more than kSlack): one vote then replaces the
+  // column-max shuffles and the rescale. Only when some lane's score is above that are the lane maxima reduced over
+  // the 8 lanes of each column and the accumulators rescaled to the new max.
+  if (__any_sync(0xffffffffu, (mx0 > st.thr[0] + kSlack) | (mx1 > st.thr[1] + kSlack))) {
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) {
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
@@ -617,13 +654,12 @@ __device__ __forceinline__ void update_max(WarpState<D>& st, float (&s)[Traits<D
 }
 
 template <int D, int W, bool F16PV>
-__device__ __forceinline__ void accumulate_pv(WarpState<D>& st, const float (&s)[Traits<D, W>::kTiles][4],
+__device__ __forceinline__ void accumulate_pv(WarpState<D>& st, const float (&p)[Traits<D, W>::kTiles][4],
                                               const Tile<D> (&tiles)[Traits<D, W>::kTiles], const Lut& lut_v) {
   using T = Traits<D, W>;
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
-    const float p0 = ex2(s[j][0]), p1 = ex2(s[j][1]);  // (s arrives as score - mu)
-    const float p2 = ex2(s[j][2]), p3 = ex2(s[j][3]);
+    const float p0 = p[j][0], p1 = p[j][1], p2 = p[j][2], p3 = p[j][3];
     st.l[0] += p0 + p2;
     st.l[1] += p1 + p3;
     const float v0 = tiles[j].vn[0], v1 = tiles[j].vn[1];
@@ -829,10 +865,12 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     for (int i = tid; i < npages; i += kThreads) pages[i] = block_table[b * bt_sb + page0 + i];
     const long long bs = 1ll << log2_bs;
     const unsigned char* head = k_idx + h * (bs * (D + 8));
-    kv.k = head + t * T::kKBytes;
-    kv.kn = head + bs * (D / 2);
-    kv.v = head + bs * (D / 2 + 4) + g * T::kVBytes;
-    kv.vn = head + bs * (D + 4);
+    // The bases include the lane's rows in a tile (keys key_row(g), values value_row(0, t)).
+    const int key_rows = key_row(g), value_rows = value_row(0, t);
+    kv.k = head + t * T::kKBytes + key_rows * (D / 2);
+    kv.kn = head + bs * (D / 2) + key_rows * 4;
+    kv.v = head + bs * (D / 2 + 4) + g * T::kVBytes + value_rows * (D / 2);
+    kv.vn = head + bs * (D + 4) + key_rows * 4;
     kv.pages = block_table + b * bt_sb + page0;  // the first tiles' loads read it before the shared copy is ready
     kv.page0 = page0;
     kv.log2_bs = log2_bs;
@@ -946,7 +984,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   stamp[2] = global_ns();
 #endif
   for (int i = 1; i <= prefetch; ++i) {
-    if (c + i * kWarps < nchunks) kv.prefetch_chunk(tile_at(c + i * kWarps, 0), last, T::kChunk);
+    if (c + i * kWarps < nchunks) kv.template prefetch_chunk<T::kChunk>(tile_at(c + i * kWarps, 0), last);
   }
   auto step = [&](Tile<D>(&cur)[T::kTiles], Tile<D>(&nxt)[T::kTiles]) {
     const int cn = c + kWarps, ck = c + 2 * kWarps;
@@ -955,15 +993,21 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       for (int j = 0; j < T::kTiles; ++j) kv.template load<kAhead>(nxt[j], tile_at(cn, j), last);
     }
     if (prefetch > 0 && cn + prefetch * kWarps < nchunks)
-      kv.prefetch_chunk(tile_at(cn + prefetch * kWarps, 0), last, T::kChunk);
+      kv.template prefetch_chunk<T::kChunk>(tile_at(cn + prefetch * kWarps, 0), last);
     float s[T::kTiles][4];
     tile_scores<D, W, MODE>(s, cur, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row(g), st.mu);
     if (kSplitLoads && ck < nchunks) {
 #pragma unroll
       for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(cur[j], tile_at(ck, j), last);
     }
-    update_max<D, W>(st, s);
-    accumulate_pv<D, W, F16PV>(st, s, cur, lut_v);
+    update_max<D, W, F16PV>(st, s);
+    float p[T::kTiles][4];  // P = exp2(s) (s arrives as score - mu)
+#pragma unroll
+    for (int j = 0; j < T::kTiles; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) p[j][i] = ex2(s[j][i]);
+    }
+    accumulate_pv<D, W, F16PV>(st, p, cur, lut_v);
     c = cn;
     return c < nchunks;
   };

@@ -1,4 +1,4 @@
-"""Tiny paged + contiguous decode (several splits, so the merge runs too) and a 40-split merge (the merge's
+"""Tiny paged (block sizes 8-64) + contiguous decode (several splits, so the merge runs too) and a 40-split merge (the merge's
 deep-batch variant) for compute-sanitizer:
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize_decode.py
@@ -25,25 +25,33 @@ from flashquant_hf.kernels.tq_decode import tq_decode  # noqa: E402
 from flashquant_hf.paged import PagedLayout  # noqa: E402
 
 
-def main() -> None:
-    pd.WARPS = int(os.environ.get("FQ_DECODE_WARPS", pd.WARPS))
-    pd.FAST_LAUNCH = os.environ.get("FQ_DECODE_FAST_LAUNCH", str(int(pd.FAST_LAUNCH))) == "1"
-    torch.manual_seed(0)
-    dev = "cuda"
-    c = torch.tensor(lloyd_max_codebook(128, 4).centroids, dtype=torch.float32, device=dev)
-    layout = PagedLayout(block_size=8, num_kv_heads=2, head_dim=128)
+def paged_case(q: torch.Tensor, c: torch.Tensor, block_size: int):
+    """Ragged paged decode (700, 3 and 0 keys, shuffled blocks) at one block size."""
+    layout = PagedLayout(block_size=block_size, num_kv_heads=2, head_dim=128)
     lens = [700, 3, 0]
-    need = [-(-n // 8) for n in lens]
-    blocks = torch.randint(0, 256, (sum(need) + 1, 2, layout.head_block_bytes), dtype=torch.uint8, device=dev)
+    need = [-(-n // block_size) for n in lens]
+    blocks = torch.randint(0, 256, (sum(need) + 1, 2, layout.head_block_bytes), dtype=torch.uint8, device=q.device)
     for section in layout.sections(blocks)[1::2]:
         section.uniform_(0.5, 2.0)
     table = torch.zeros(len(lens), max(need), dtype=torch.int32)
     ids = torch.randperm(sum(need)).tolist()
     for i, n in enumerate(need):
         table[i, :n] = torch.tensor(ids[sum(need[:i]) : sum(need[:i]) + n], dtype=torch.int32)
-    q = torch.randn(len(lens), 8, 128, device=dev, dtype=torch.bfloat16)
-    out, lse = paged_decode(q, blocks, table.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev), c, c, 4, 4,
-                            128**-0.5, 8)
+    out, lse = paged_decode(q, blocks, table.to(q.device), torch.tensor(lens, dtype=torch.int32, device=q.device),
+                            c, c, 4, 4, 128**-0.5, block_size)
+    return out, lse, blocks, table, lens
+
+
+def main() -> None:
+    pd.WARPS = int(os.environ.get("FQ_DECODE_WARPS", pd.WARPS))
+    pd.FAST_LAUNCH = os.environ.get("FQ_DECODE_FAST_LAUNCH", str(int(pd.FAST_LAUNCH))) == "1"
+    torch.manual_seed(0)
+    dev = "cuda"
+    c = torch.tensor(lloyd_max_codebook(128, 4).centroids, dtype=torch.float32, device=dev)
+    q = torch.randn(3, 8, 128, device=dev, dtype=torch.bfloat16)
+    for block_size in (8, 16, 32, 64):  # the general page path (8) and the whole-tile one (>= 16)
+        out, lse, blocks, table, lens = paged_case(q, c, block_size)
+        assert torch.isfinite(out).all(), f"block size {block_size}"
     k = torch.randint(0, 256, (2, 2, 900, 64), dtype=torch.uint8, device=dev)[:, :, :777]
     v = torch.randint(0, 256, (2, 2, 777, 64), dtype=torch.uint8, device=dev)
     kn, vn = torch.rand(2, 2, 777, device=dev), torch.rand(2, 2, 777, device=dev)

@@ -270,10 +270,11 @@ def test_paged_decode_balanced_places(monkeypatch, poison):
     pd.clear_caches()
 
 
-@pytest.mark.parametrize("options", [("-DFQD_KEY_PERMUTE=0",), ("-DFQD_BULK_PREFETCH=0",), ("-DFQD_RED_SWIZZLE_PAGED=1",)])
+@pytest.mark.parametrize("options", [("-DFQD_KEY_PERMUTE=0",), ("-DFQD_BULK_PREFETCH=0",), ("-DFQD_RED_SWIZZLE_PAGED=1",),
+                                     ("-DFQD_RESCALE_SLACK=0.f",)])
 def test_paged_decode_layout_hooks(options, monkeypatch):
-    """The plain key order, the per-lane L2 prefetch and the swizzled reduction (the A/B alternatives of version 11)
-    stay correct: ragged sequences, block sizes 8 and 32, L2 prefetch on."""
+    """The plain key order, the per-lane L2 prefetch, the swizzled reduction (the A/B alternatives of version 11) and
+    a rescale at every new max (version 12) stay correct: ragged sequences, block sizes 8 and 32, L2 prefetch on."""
     import flashquant_hf.kernels.paged_decode as pd
 
     monkeypatch.setattr(pd, "KERNEL_OPTIONS", options)
@@ -284,3 +285,26 @@ def test_paged_decode_layout_hooks(options, monkeypatch):
         blocks, table, lens_t = random_store(lens, block_size, 2, 128, seed=95 + block_size)
         check(torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16), blocks, table, lens_t, block_size)
     pd.clear_caches()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_paged_decode_rising_scores(dtype, block_size):
+    """Key norms that grow along each sequence (0.5 -> 24, and a few outliers of 40 late), so the running max keeps
+    rising: in steps below the rescale slack (bf16 P V: P up to 2^8, no rescale) and in jumps above it (a rescale);
+    fp16 queries rescale at every new max. Large value norms (up to 200) check the fp16 range of P * norm."""
+    lens = [4000, 2500, 700]
+    blocks, table, lens_t = random_store(lens, block_size, 2, 128, seed=7 + block_size)
+    layout = PagedLayout(block_size, 2, 128)
+    _, k_nrm, _, v_nrm = layout.sections(blocks)
+    g = torch.Generator(device=DEV).manual_seed(11)
+    for i, n in enumerate(lens):
+        ramp = torch.linspace(0.5, 24.0, n, device=DEV)
+        late = torch.randint(n // 2, n, (4,), device=DEV, generator=g)
+        ramp[late] = 40.0
+        for j in range(-(-n // block_size)):
+            rows = ramp[j * block_size : (j + 1) * block_size]
+            k_nrm[table[i, j], :, : rows.numel()] = rows
+        v_nrm[table[i, : -(-n // block_size)]] = 200.0 * torch.rand(v_nrm[table[i, : -(-n // block_size)]].shape,
+                                                                     device=DEV, generator=g)
+    check(torch.randn(len(lens), 8, 128, device=DEV, dtype=dtype), blocks, table, lens_t, block_size)
