@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> None:
                              "several lengths for every --sweep-options and fit time = fixed + per-key cost, then exit")
     parser.add_argument("--timeline", action="store_true",
                         help="build with -DFQD_TIMELINE=1 (per-warp globaltimer stamps, wrong results) and print where "
-                             "the contiguous decode's time goes at B=8/N=32K and B=32/N=8K for every --sweep-options, "
-                             "then exit")
+                             "the contiguous decode's time goes (the paged one's with --paged) at B=8/N=32K and "
+                             "B=32/N=8K for every --sweep-options, then exit")
+    parser.add_argument("--paged", action="store_true", help="--timeline: the paged decode (blocks of 16 keys)")
     args = parser.parse_args(argv)
 
     import flashquant_hf.kernels.paged_decode as pd
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         _scaling(pd, c, scale, dev, args.sweep_options)
         return
     if args.timeline:
-        _timeline(pd, c, scale, dev, args.sweep_options)
+        _timeline(pd, c, scale, dev, args.sweep_options, args.paged)
         return
     if args.contiguous:
         sets = _contiguous_query_sets(args.batch, args.keys, dev)
@@ -195,13 +196,12 @@ def _scaling(pd, c, scale, dev, options_list):
         pd.clear_caches()
 
 
-def _timeline(pd, c, scale, dev, options_list):
-    """Per-CTA phases of the contiguous decode from a -DFQD_TIMELINE=1 build (merge kernel path): CTA entry, the
+def _timeline(pd, c, scale, dev, options_list, paged=False):
+    """Per-CTA phases of the contiguous (``paged``: paged) decode from a -DFQD_TIMELINE=1 build (merge kernel path): CTA entry, the
     grid-dependency wait, the prologue (to the barrier after the table build), each warp's loop, the spread of the
     warps' loop ends within a CTA, the epilogue, and when CTAs end (lone CTAs: alone on their SM). In us from the
     grid's first entry; min / median / p90 / max over CTAs (warps for the loop)."""
     default_options, default_cluster = pd.KERNEL_OPTIONS, pd.CLUSTER_MERGE
-    fn = _contiguous_decode(c, scale)
 
     def quantiles(x):
         x = sorted(x)
@@ -210,7 +210,14 @@ def _timeline(pd, c, scale, dev, options_list):
     try:
         pd.CLUSTER_MERGE = False  # the stamps go where the partials would
         for batch, keys in ((8, 32768), (32, 8192)):
-            sets = _contiguous_query_sets(batch, keys, dev)
+            if paged:
+                sets = _paged_sets(batch, keys, BLOCK_SIZE, dev)
+
+                def fn(s, keys=keys):
+                    return pd.paged_decode(s[3], s[0], s[1], s[2], c, c, 4, 4, scale, BLOCK_SIZE, keys)
+            else:
+                sets = _contiguous_query_sets(batch, keys, dev)
+                fn = _contiguous_decode(c, scale)
             for options in options_list:
                 pd.KERNEL_OPTIONS = ("-DFQD_TIMELINE=1", *options.split())
                 pd.clear_caches()
@@ -237,12 +244,21 @@ def _timeline(pd, c, scale, dev, options_list):
                     "epilogue": end - st[:, :, 3].max(1).values,
                     "CTA end": end,
                 }
-                print(f"timeline B={batch} N={keys} options={options or '-'}: {ctas} CTAs on {len(per_sm)} SMs "
+                print(f"timeline {'paged' if paged else 'contiguous'} B={batch} N={keys} options={options or '-'}: "
+                      f"{ctas} CTAs on {len(per_sm)} SMs "
                       f"({len(lone)} alone), span {end.max().item():.2f} us", flush=True)
                 for name, values in phases.items():
                     print(f"    {name:<16} min/p50/p90/max {quantiles(values.tolist())} us")
                 if lone:
                     print(f"    lone CTAs end at p50 {quantiles(end[lone].tolist()).split('/')[1]} us")
+                # The SM's two places: the CTA that entered first and the other one (their loops' last warp).
+                loop_end = st[:, :, 3].max(1).values
+                pairs = [sorted(v, key=lambda cta: st[cta, :, 0].min().item()) for v in per_sm.values() if len(v) == 2]
+                if pairs:
+                    first = [loop_end[a].item() for a, _ in pairs]
+                    second = [loop_end[b].item() for _, b in pairs]
+                    print(f"    loop end, first / second place of {len(pairs)} SMs: mean {sum(first) / len(first):.2f}"
+                          f" / {sum(second) / len(second):.2f} us, max {max(first):.2f} / {max(second):.2f} us")
             del sets
             torch.cuda.empty_cache()
     finally:
