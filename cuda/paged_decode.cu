@@ -538,8 +538,10 @@ struct WarpState {
 
 // The three stages of one warp iteration over kTiles tiles of 16 keys starting at ts0:
 //   tile_scores    S^T = K Q^T on tensor cores, scaled by the key norms (log2 domain), keys at or past `end` -inf
-//   update_max     the running max per head column; the accumulators are rescaled only when it moves
-//   accumulate_pv  P = exp2(S - mu), l += P, O^T += V^T (P * value norms)^T on tensor cores
+//   update_max     the running max per head column; the accumulators are rescaled only when it moves (by more
+//                  than FQD_RESCALE_SLACK for bf16 P V)
+//   (the step)     P = exp2(S - mu)
+//   accumulate_pv  l += P, O^T += V^T (P * value norms)^T on tensor cores
 // (Version 6 ran accumulate_pv of chunk c and tile_scores of chunk c + W in one basic block, so the two lookup ->
 // mma chains could overlap: 5-12 % slower on the H200, docs/kernels_decode.md.)
 template <int D, int W, int MODE>
