@@ -359,6 +359,15 @@ struct KVAddress {
   int page0, log2_bs;
   u32 page_stride;                        // paged: bytes per block (all heads)
 
+  // Paged: the four bases without the lane's rows (kr = key_row(g), v0 = value_row(0, t)), i.e. the sections' starts
+  // plus the lane's columns, for the paths that address rows one by one.
+  struct Sections {
+    const unsigned char *k, *v, *kn, *vn;
+  };
+  __device__ __forceinline__ Sections section_starts(int kr, int v0) const {
+    return {k - kr * (D / 2), v - v0 * (D / 2), kn - kr * 4, vn - kr * 4};
+  }
+
   // Loads the lane's slice of the tile starting at key ts (its keys and key norms / bias for PART kPartK, its
   // values and value norms for kPartV); keys past `last` are clamped to it (masked later).
   template <int PART>
@@ -395,11 +404,7 @@ struct KVAddress {
         if constexpr ((PART & kPartV) != 0) tile.vn[1] = load_f32(reinterpret_cast<const float*>(vnp + 32));
         return;
       }
-      // The general path addresses rows from the sections' starts.
-      const unsigned char* const k = this->k - kr * (D / 2);
-      const unsigned char* const v = this->v - v0 * (D / 2);
-      const unsigned char* const kn = this->kn - kr * 4;
-      const unsigned char* const vn = this->vn - kr * 4;
+      const auto [k, v, kn, vn] = section_starts(kr, v0);  // the general path addresses rows from there
       // Tiles start at multiples of 16, so keys ts..ts+7 share a block, and so do ts+8..ts+15.
       const u32 plo = pages[(min(ts, last) >> log2_bs) - page0];  // a tile past `last` reuses its block
       const u32 phi = pages[(min(ts + 8, last) >> log2_bs) - page0];
@@ -503,11 +508,7 @@ struct KVAddress {
     const int n = ts0 + lane;
     if (lane >= kRows || n > last) return;
     if constexpr (MODE == kPaged) {
-      const int kr = key_row(lane >> 2), v0 = value_row(0, lane & 3);
-      const unsigned char* const k = this->k - kr * (D / 2);  // the sections' starts (plus the lane's columns)
-      const unsigned char* const v = this->v - v0 * (D / 2);
-      const unsigned char* const kn = this->kn - kr * 4;
-      const unsigned char* const vn = this->vn - kr * 4;
+      const auto [k, v, kn, vn] = section_starts(key_row(lane >> 2), value_row(0, lane & 3));
       const u32 page = pages[(n >> log2_bs) - page0];
       const u32 r = static_cast<u32>(n) & ((1u << log2_bs) - 1u);
       prefetch_l2(at(at(k, page, page_stride), r, D / 2));
@@ -533,6 +534,7 @@ struct WarpState {
   float thr[2];                      // max - mu: 0, or -inf while no key was seen (scores arrive as s - mu)
   float l[2];                        // partial denominators over this lane's keys
 
+  // The max that l and acc are relative to (the running max at the last rescale; -inf while no key was seen).
   __device__ __forceinline__ float running_max(int i) const { return mu[i] + thr[i]; }
 };
 
