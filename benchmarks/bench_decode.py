@@ -179,7 +179,9 @@ def _set_tuning(pd, warps, prefetch):
 
 def _plan(pd, index, batch, keys, log2_bs):
     mode = pd.MODE_PAGED if log2_bs is not None else pd.MODE_CONTIGUOUS
-    return pd._launch_for(mode, HEAD_DIM, 1, index, (batch, KV_HEADS, 1), batch * Q_HEADS, keys, log2_bs).plan
+    group = Q_HEADS // KV_HEADS
+    return pd._launch_for(mode, HEAD_DIM, 1, index, pd.units_shape(batch, KV_HEADS, group), batch * Q_HEADS, keys,
+                          log2_bs, pd.head_slots(group)).plan
 
 
 def _sweep_cluster_merge(pd, record, paged_fn, c, scale, dev) -> None:

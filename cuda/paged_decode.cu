@@ -1,7 +1,7 @@
 // Split-K FlashDecoding over a TQ4-compressed KV cache (paged store or contiguous per-layer layout).
 //
-// One CTA (4 or 8 warps) serves up to 8 query heads of one KV head for one key range ("split") of one sequence, so
-// the K/V bytes are read once under GQA. Both products run on tensor cores (mma.sync m16n8k16, fp32 accumulate):
+// One CTA (4 or 8 warps) serves up to 8 query heads (4 in the paired build) of one KV head for one key range
+// ("split") of one sequence, so the K/V bytes are read once under GQA. Both products run on tensor cores (mma.sync m16n8k16, fp32 accumulate):
 //
 //   S^T = K Q^T   A = 16 keys x 16 dims built from packed nibbles, B = Q^T (8 head slots), C = keys x heads
 //   O^T = V^T P^T A = 16 dims x 16 keys built from packed nibbles, B = P^T (after one movmatrix transpose)
@@ -15,6 +15,11 @@
 //     dim (low nibble). The two keys of one A register (columns 2t, 2t+1; key_row says which keys those are) are
 //     merged into one byte (high nibbles of both, or low nibbles of both) with one logic op each, then looked up
 //     like a key byte.
+// Paired build (FQD_HEAD_SLOTS=4, GQA <= 4): the 8 mma columns are (head, half) pairs. QK splits its contraction
+// into two halves whose partial scores land in the two columns of a head (B is zero where they differ); PV's 16
+// contraction rows are 8 keys twice, pairing each with a different half of the output dims, so one mma covers
+// 8 keys x 32 dims x 4 heads. No head slot is idle, each lane scores one head, and O^T needs 16 accumulator
+// registers instead of 32 at D = 128 (see accumulate_pv).
 // The table maps a byte to the packed pair (centroid[high nibble] in the low half, centroid[low nibble] in the
 // high half), in the mma element type, with one copy per lane (K and V tables interleaved, entry e of lane l at
 // e*256 + tab*128 + l*4, see Lut) so lookups never conflict and one PRMT builds a lookup's address.
@@ -49,13 +54,11 @@ constexpr int kPagesOffset = kLutSlack + 2 * kLutBytes;
 
 enum { kQHalf = 0, kQBf16 = 1, kQFloat = 2 };
 enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
-// Independent accumulators of S^T = K Q^T (k-steps round-robin): 1 (runs 16-17: 1-1.5 % faster than 2 paged,
-// 0.3-0.5 % contiguous; 4 was slower in version 4).
-#ifndef FQD_QK_CHAINS_PAGED
-#define FQD_QK_CHAINS_PAGED 1
-#endif
-#ifndef FQD_QK_CHAINS_CONTIGUOUS
-#define FQD_QK_CHAINS_CONTIGUOUS 1
+// Independent accumulators of S^T = K Q^T (k-steps round-robin); 0 picks per build: 2 with 4 head slots (the
+// registers it frees pay for the second chain: 1-2 % faster on the H200, version 13), 1 with 8 (2 measured slower
+// there in versions 10-12, 4 in version 4).
+#ifndef FQD_QK_CHAINS
+#define FQD_QK_CHAINS 0
 #endif
 // The split merge in a thread-block cluster (merge_in_cluster) instead of a merge kernel; the host builds this
 // variant only for launches whose splits form one cluster (sm_90+, at most 8 splits).
@@ -93,6 +96,18 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #define FQD_RESCALE_SLACK 8.f
 #endif
 
+// Query-head slots per CTA: 8 (the n = 8 columns of the mma are heads) or 4 (GQA <= 4: the columns are (head, half)
+// pairs, so every lane scores one head and O^T takes 16 instead of 32 accumulator registers; see accumulate_pv).
+#ifndef FQD_HEAD_SLOTS
+#define FQD_HEAD_SLOTS 8
+#endif
+
+// Paged builds are made for one block size (log2; the host passes it, see paged_decode.block_size_option), so the page
+// arithmetic folds to constant shifts and the other sizes' paths go; 0: any block size, read from the launch.
+#ifndef FQD_PAGED_LOG2_BS
+#define FQD_PAGED_LOG2_BS 0
+#endif
+
 // Timing ablations only (wrong results): bit 1 skips the table build, bit 2 the query load, bit 4 the cross-warp
 // reduction (warp 0 writes its own state), bit 8 returns at once (the launch alone).
 #ifndef FQD_ABLATE
@@ -120,7 +135,6 @@ struct Traits {
   static constexpr int kWarps = W;
   static constexpr int kThreads = 32 * W;
   static constexpr int kSteps = D / 16;    // k-steps of S^T = K Q^T
-  static constexpr int kMTiles = D / 16;   // m-tiles of O^T = V^T P^T
   static constexpr int kKBytes = D / 8;    // bytes of a key row held by one lane (a quarter of D/2)
   static constexpr int kVBytes = D / 16;   // bytes of a value row held by one lane (an eighth of D/2)
   static constexpr int kKWords = kKBytes / 4;
@@ -129,6 +143,14 @@ struct Traits {
   static constexpr int kTiles = (D == 256 || W == 8) ? 1 : 2;
   static constexpr int kChunk = 16 * kTiles;
   static constexpr int kMinBlocks = W == 8 ? FQD_MIN_BLOCKS_W8 : (D == 256 ? 2 : 3);
+  // Head slots of a CTA (8: mma column = head; 4: column 2h + j = half j of head h) and what a lane holds of them:
+  // kCols head columns (2t, 2t+1 or t), kScores scores per tile, kPVTiles O^T m-tiles of 4 accumulators.
+  static constexpr int kHeadSlots = FQD_HEAD_SLOTS;
+  static constexpr bool kPairs = kHeadSlots == 4;
+  static constexpr int kCols = kPairs ? 1 : 2;
+  static constexpr int kScores = 2 * kCols;
+  static constexpr int kPVTiles = kPairs ? D / 32 : D / 16;
+  static_assert(kHeadSlots == 4 || kHeadSlots == 8, "4 or 8 head slots");
   static_assert(kVWords >= 1 && kKWords >= 2, "lane slices are whole words");
 };
 
@@ -289,7 +311,7 @@ struct Lut {
 };
 
 // Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
-// (16-byte stores fill 4 lanes' copies), at the fixed window address kLutWindow. Lane l holds centroid l (keys)
+// (a 16-byte store fills 4 lanes' copies), at the fixed window address kLutWindow. Lane l holds centroid l (keys)
 // or l - 16 (values) and the entries come from shuffles: one global load per lane instead of two per entry.
 template <bool F16PV, int kThreads, bool kCluster>
 __device__ __forceinline__ void build_tables(unsigned char* smem, float centroid) {
@@ -297,13 +319,19 @@ __device__ __forceinline__ void build_tables(unsigned char* smem, float centroid
   const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & (kCluster ? 0xFFFFu : 0xFFFFFFu);
   if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
   unsigned char* const table = smem + (kLutWindow - window);
-  for (int i = threadIdx.x; i < 2 * 256 * 8 && (FQD_ABLATE & 1) == 0; i += kThreads) {
-    const int tab = i >> 11, e = (i >> 3) & 255, grp = i & 7;
-    // i advances by whole warps, so the warp is converged and `tab` is uniform over it.
+  // Each thread forms one (table, entry) value from two shuffles and stores its 8 16-byte copies (4 lanes' each),
+  // starting at copy (thread & 7) so the 8 lanes of a store phase cover all banks. (Version 12 and earlier: one
+  // 16-byte store and two shuffles per loop iteration, 16 of them per thread; 1-3 us slower per call.)
+  const int rot = threadIdx.x & 7;
+  for (int i = threadIdx.x; i < 2 * 256 && (FQD_ABLATE & 1) == 0; i += kThreads) {
+    // i advances by whole warps, so the warp is converged at the shuffles.
+    const int tab = i >> 8, e = i & 255;
     const float hi = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e >> 4));
     const float lo = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e & 15));
     const u32 val = tab ? pack2<F16PV>(hi, lo) : pack2<true>(hi, lo);
-    *reinterpret_cast<uint4*>(table + e * 256 + tab * 128 + grp * 16) = make_uint4(val, val, val, val);
+    unsigned char* const row = table + e * 256 + tab * 128;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) *reinterpret_cast<uint4*>(row + ((rot + k) & 7) * 16) = make_uint4(val, val, val, val);
   }
 }
 
@@ -524,15 +552,18 @@ struct KVAddress {
   }
 };
 
-// Per-warp online-softmax state for the lane's two head columns (2t, 2t+1) plus the O^T accumulators.
+// Per-warp online-softmax state for the lane's head columns (8 slots: heads 2t, 2t+1; 4 slots: head t) plus the O^T
+// accumulators. Accumulator e of an m-tile belongs to column e % kCols.
 template <int D>
 struct WarpState {
-  float acc[Traits<D>::kMTiles][4];  // O^T: rows dims (D/8)g+2m (+1 for [2],[3]), cols heads 2t, 2t+1
-  float mu[2];                       // the value subtracted before exp2: the running max at the last rescale
-                                     // (log2 domain, uniform over g; later scores may exceed it by FQD_RESCALE_SLACK),
-                                     // or 0 while that is -inf
-  float thr[2];                      // max - mu: 0, or -inf while no key was seen (scores arrive as s - mu)
-  float l[2];                        // partial denominators over this lane's keys
+  static constexpr int kCols = Traits<D>::kCols;
+  float acc[Traits<D>::kPVTiles][4];  // O^T. 8 slots: rows dims (D/8)g+2m (+1 for [2],[3]), cols heads 2t, 2t+1;
+                                      // 4 slots: head t, dims (D/8)g + 4m + {0, 2, 1, 3}
+  float mu[kCols];                    // the value subtracted before exp2: the running max at the last rescale
+                                      // (log2 domain, uniform over g; later scores may exceed it by FQD_RESCALE_SLACK),
+                                      // or 0 while that is -inf
+  float thr[kCols];                   // max - mu: 0, or -inf while no key was seen (scores arrive as s - mu)
+  float l[kCols];                     // partial denominators over this lane's keys
 
   // The max that l and acc are relative to (the running max at the last rescale; -inf while no key was seen).
   __device__ __forceinline__ float running_max(int i) const { return mu[i] + thr[i]; }
@@ -547,15 +578,16 @@ struct WarpState {
 // (Version 6 ran accumulate_pv of chunk c and tile_scores of chunk c + W in one basic block, so the two lookup ->
 // mma chains could overlap: 5-12 % slower on the H200, docs/kernels_decode.md.)
 template <int D, int W, int MODE>
-__device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][4],
+__device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][Traits<D>::kScores],
                                             const Tile<D> (&tiles)[Traits<D, W>::kTiles],
                                             const u32 (&qf)[Traits<D>::kSteps][2], const Lut& lut_k, int ts0,
-                                            int end, float scale_log2, int kr, const float (&mu)[2]) {
+                                            int end, float scale_log2, int kr, const float (&mu)[Traits<D>::kCols]) {
   using T = Traits<D, W>;
+  constexpr int kCols = Traits<D>::kCols, kScores = Traits<D>::kScores;
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
     // kQKChains accumulators (k-steps round-robin) shorten the dependent mma chain.
-    constexpr int kQKChains = MODE == kPaged ? FQD_QK_CHAINS_PAGED : FQD_QK_CHAINS_CONTIGUOUS;
+    constexpr int kQKChains = FQD_QK_CHAINS > 0 ? FQD_QK_CHAINS : Traits<D>::kPairs ? 2 : 1;
     float acc_qk[kQKChains][4];
 #pragma unroll
     for (int a = 0; a < kQKChains; ++a) acc_qk[a][0] = acc_qk[a][1] = acc_qk[a][2] = acc_qk[a][3] = 0.f;
@@ -577,99 +609,106 @@ __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][4],
       }
       mma16816<true>(acc_qk[kk % kQKChains], a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
     }
+    float raw[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      s[j][i] = acc_qk[0][i];
+      raw[i] = acc_qk[0][i];
 #pragma unroll
-      for (int a = 1; a < kQKChains; ++a) s[j][i] += acc_qk[a][i];
+      for (int a = 1; a < kQKChains; ++a) raw[i] += acc_qk[a][i];
     }
-    const float k0 = tiles[j].kn[0] * scale_log2, k1 = tiles[j].kn[1] * scale_log2;
+    const float kn[2] = {tiles[j].kn[0] * scale_log2, tiles[j].kn[1] * scale_log2};
+    // Score i is row i / kCols (key kr, kr + 8) of column i % kCols. With 4 head slots a head's score is the sum of
+    // its two columns (the halves of the contraction, see load_queries).
     // Scores leave shifted by the running max (mu, per head column), which update_max corrects when it moves, so
     // the subtraction before exp2 rides on this FFMA.
-    if constexpr (MODE == kContiguousBias) {
-      const float b0 = tiles[j].bias[0] * kLog2e, b1 = tiles[j].bias[1] * kLog2e;
-      s[j][0] = fmaf(s[j][0], k0, b0 - mu[0]);
-      s[j][1] = fmaf(s[j][1], k0, b0 - mu[1]);
-      s[j][2] = fmaf(s[j][2], k1, b1 - mu[0]);
-      s[j][3] = fmaf(s[j][3], k1, b1 - mu[1]);
-    } else {
-      s[j][0] = fmaf(s[j][0], k0, -mu[0]);
-      s[j][1] = fmaf(s[j][1], k0, -mu[1]);
-      s[j][2] = fmaf(s[j][2], k1, -mu[0]);
-      s[j][3] = fmaf(s[j][3], k1, -mu[1]);
+#pragma unroll
+    for (int i = 0; i < kScores; ++i) {
+      const int row = i / kCols, col = i % kCols;
+      const float dot = kCols == 1 ? raw[2 * i] + raw[2 * i + 1] : raw[i];
+      float shift = -mu[col];
+      if constexpr (MODE == kContiguousBias) shift = tiles[j].bias[row] * kLog2e - mu[col];
+      s[j][i] = fmaf(dot, kn[row], shift);
     }
   }
   if (ts0 + T::kChunk > end) {  // only the last iteration of a split has keys past its end
 #pragma unroll
     for (int j = 0; j < T::kTiles; ++j) {
-      if (ts0 + 16 * j + kr >= end) s[j][0] = s[j][1] = -inf();
-      if (ts0 + 16 * j + kr + 8 >= end) s[j][2] = s[j][3] = -inf();
+#pragma unroll
+      for (int i = 0; i < kScores; ++i) {
+        if (ts0 + 16 * j + kr + 8 * (i / kCols) >= end) s[j][i] = -inf();
+      }
     }
   }
 }
 
 // s arrives as score - mu and leaves shifted by the new mu.
 template <int D, int W, bool F16PV>
-__device__ __forceinline__ void update_max(WarpState<D>& st, float (&s)[Traits<D, W>::kTiles][4]) {
+__device__ __forceinline__ void update_max(WarpState<D>& st, float (&s)[Traits<D, W>::kTiles][Traits<D>::kScores]) {
   using T = Traits<D, W>;
+  constexpr int kCols = Traits<D>::kCols, kScores = Traits<D>::kScores;
   constexpr float kSlack = F16PV ? 0.f : FQD_RESCALE_SLACK;
-  float mx0 = fmaxf(s[0][0], s[0][2]), mx1 = fmaxf(s[0][1], s[0][3]);
+  float mx[kCols];
 #pragma unroll
-  for (int j = 1; j < T::kTiles; ++j) {
-    mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][2]));
-    mx1 = fmaxf(mx1, fmaxf(s[j][1], s[j][3]));
+  for (int c = 0; c < kCols; ++c) mx[c] = -inf();
+#pragma unroll
+  for (int j = 0; j < T::kTiles; ++j) {
+#pragma unroll
+    for (int i = 0; i < kScores; ++i) mx[i % kCols] = fmaxf(mx[i % kCols], s[j][i]);
   }
   // Once the running max has settled, no lane's scores exceed it (by more than kSlack): one vote then replaces the
   // column-max shuffles and the rescale. Only when some lane's score is above that are the lane maxima reduced over
   // the 8 lanes of each column and the accumulators rescaled to the new max.
-  if (__any_sync(0xffffffffu, (mx0 > st.thr[0] + kSlack) | (mx1 > st.thr[1] + kSlack))) {
+  bool above = false;
 #pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+  for (int c = 0; c < kCols; ++c) above |= mx[c] > st.thr[c] + kSlack;
+  if (__any_sync(0xffffffffu, above)) {
+    float al[kCols], d[kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], off));
+      const float m = st.running_max(c);
+      const float mn = fmaxf(m, mx[c] + st.mu[c]);
+      // A column that has seen only masked keys keeps max -inf; subtract 0 instead so no inf - inf appears.
+      const float mu = mn == -inf() ? 0.f : mn;
+      al[c] = ex2(m - mu);
+      d[c] = st.mu[c] - mu;
+      st.thr[c] = mn - mu;
+      st.mu[c] = mu;
+      st.l[c] *= al[c];
     }
-    const float m0 = st.running_max(0), m1 = st.running_max(1);
-    const float mn0 = fmaxf(m0, mx0 + st.mu[0]), mn1 = fmaxf(m1, mx1 + st.mu[1]);
-    // A column that has seen only masked keys keeps max -inf; subtract 0 instead so no inf - inf appears.
-    const float mu0 = mn0 == -inf() ? 0.f : mn0, mu1 = mn1 == -inf() ? 0.f : mn1;
-    const float al0 = ex2(m0 - mu0), al1 = ex2(m1 - mu1);
-    const float d0 = st.mu[0] - mu0, d1 = st.mu[1] - mu1;
 #pragma unroll
     for (int j = 0; j < T::kTiles; ++j) {
-      s[j][0] += d0;
-      s[j][1] += d1;
-      s[j][2] += d0;
-      s[j][3] += d1;
-    }
-    st.thr[0] = mn0 - mu0;
-    st.thr[1] = mn1 - mu1;
-    st.mu[0] = mu0;
-    st.mu[1] = mu1;
-    st.l[0] *= al0;
-    st.l[1] *= al1;
 #pragma unroll
-    for (int m = 0; m < T::kMTiles; ++m) {
-      st.acc[m][0] *= al0;
-      st.acc[m][1] *= al1;
-      st.acc[m][2] *= al0;
-      st.acc[m][3] *= al1;
+      for (int i = 0; i < kScores; ++i) s[j][i] += d[i % kCols];
+    }
+#pragma unroll
+    for (int m = 0; m < Traits<D>::kPVTiles; ++m) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st.acc[m][e] *= al[e % kCols];
     }
   }
 }
 
+// The A operand of O^T = V^T P^T for m-tile dims from the merged value words: xv / yv hold, per byte, the high / low
+// nibbles of the two keys of an A register (see accumulate_pv); byte q of the lane's value slice is dims 2q, 2q+1.
+template <int D>
+__device__ __forceinline__ u32 value_pair(const Lut& lut_v, const u32 (&w)[Traits<D>::kVWords], int q) {
+  switch (q & 3) {
+    case 0: return lut_v.get<0>(w[q >> 2]);
+    case 1: return lut_v.get<1>(w[q >> 2]);
+    case 2: return lut_v.get<2>(w[q >> 2]);
+    default: return lut_v.get<3>(w[q >> 2]);
+  }
+}
+
 template <int D, int W, bool F16PV>
-__device__ __forceinline__ void accumulate_pv(WarpState<D>& st, const float (&p)[Traits<D, W>::kTiles][4],
-                                              const Tile<D> (&tiles)[Traits<D, W>::kTiles], const Lut& lut_v) {
+__device__ __forceinline__ void accumulate_pv(WarpState<D>& st, const float (&p)[Traits<D, W>::kTiles][Traits<D>::kScores],
+                                              const Tile<D> (&tiles)[Traits<D, W>::kTiles], const Lut& lut_v,
+                                              u32 even_g) {
   using T = Traits<D, W>;
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
-    const float p0 = p[j][0], p1 = p[j][1], p2 = p[j][2], p3 = p[j][3];
-    st.l[0] += p0 + p2;
-    st.l[1] += p1 + p3;
-    const float v0 = tiles[j].vn[0], v1 = tiles[j].vn[1];
-    // P (keys x heads) rows g and g+8 -> P^T fragments (keys 2t,2t+1 / 2t+8,2t+9 of head g).
-    const u32 b0 = transpose8x8(pack2<F16PV>(p0 * v0, p1 * v0));
-    const u32 b1 = transpose8x8(pack2<F16PV>(p2 * v1, p3 * v1));
     u32 xa[T::kVWords], ya[T::kVWords], xb[T::kVWords], yb[T::kVWords];
 #pragma unroll
     for (int w = 0; w < T::kVWords; ++w) {
@@ -680,29 +719,42 @@ __device__ __forceinline__ void accumulate_pv(WarpState<D>& st, const float (&p)
       xb[w] = select_bits(tiles[j].v[2][w], tiles[j].v[3][w] >> 4, 0xF0F0F0F0u);
       yb[w] = select_bits(tiles[j].v[2][w] << 4, tiles[j].v[3][w], 0xF0F0F0F0u);
     }
+    const float v0 = tiles[j].vn[0], v1 = tiles[j].vn[1];
+    if constexpr (!Traits<D>::kPairs) {
+      const float p0 = p[j][0], p1 = p[j][1], p2 = p[j][2], p3 = p[j][3];
+      st.l[0] += p0 + p2;
+      st.l[1] += p1 + p3;
+      // P (keys x heads) rows g and g+8 -> P^T fragments (keys 2t,2t+1 / 2t+8,2t+9 of head g).
+      const u32 b0 = transpose8x8(pack2<F16PV>(p0 * v0, p1 * v0));
+      const u32 b1 = transpose8x8(pack2<F16PV>(p2 * v1, p3 * v1));
 #pragma unroll
-    for (int m = 0; m < T::kMTiles; ++m) {
-      const int w = m >> 2;
-      u32 a0, a1, a2, a3;
-      switch (m & 3) {
-        case 0:
-          a0 = lut_v.get<0>(xa[w]), a1 = lut_v.get<0>(ya[w]);
-          a2 = lut_v.get<0>(xb[w]), a3 = lut_v.get<0>(yb[w]);
-          break;
-        case 1:
-          a0 = lut_v.get<1>(xa[w]), a1 = lut_v.get<1>(ya[w]);
-          a2 = lut_v.get<1>(xb[w]), a3 = lut_v.get<1>(yb[w]);
-          break;
-        case 2:
-          a0 = lut_v.get<2>(xa[w]), a1 = lut_v.get<2>(ya[w]);
-          a2 = lut_v.get<2>(xb[w]), a3 = lut_v.get<2>(yb[w]);
-          break;
-        default:
-          a0 = lut_v.get<3>(xa[w]), a1 = lut_v.get<3>(ya[w]);
-          a2 = lut_v.get<3>(xb[w]), a3 = lut_v.get<3>(yb[w]);
-          break;
+      for (int m = 0; m < T::kPVTiles; ++m) {
+        // rows g / g+8 of m-tile m: dims (D/8)g + 2m and the next one (high / low nibbles of byte m)
+        mma16816<F16PV>(st.acc[m], value_pair<D>(lut_v, xa, m), value_pair<D>(lut_v, ya, m),
+                        value_pair<D>(lut_v, xb, m), value_pair<D>(lut_v, yb, m), b0, b1);
       }
-      mma16816<F16PV>(st.acc[m], a0, a1, a2, a3, b0, b1);
+    } else {
+      // 4 head slots: column 2h + j' of an mma is half j' of head h's output dims, and its 16 contraction rows are
+      // 8 keys twice: rows r < 8 pair key r with dims of half 0, rows r >= 8 key r - 8 with half 1, and B is zero
+      // where the halves differ. So one mma takes 8 keys x 32 dims x 4 heads, and O^T needs D/32 m-tiles.
+      // P^T: lane (g, t) holds P of keys (rows) g, g+8 for head t; duplicated into both columns of a pair and
+      // transposed, lane (g, t) gets P of rows 2t, 2t+1 (+8) for head g / 2, which B needs in its first register
+      // (half 0) for even g and in its second (half 1) for odd g.
+      const float p0 = p[j][0], p1 = p[j][1];
+      st.l[0] += p0 + p1;
+      const float q0 = p0 * v0, q1 = p1 * v1;
+      const u32 lo = transpose8x8(pack2<F16PV>(q0, q0));  // keys of S^T rows 0-7: value rows value_row(0/1, t)
+      const u32 hi = transpose8x8(pack2<F16PV>(q1, q1));  // rows 8-15: value_row(2/3, t)
+#pragma unroll
+      for (int m = 0; m < T::kPVTiles; ++m) {
+        // rows g / g+8 of m-tile m, half j': dims (D/8)g + 4m + 2j' and the next one (bytes 2m + j')
+        const u32 a0 = value_pair<D>(lut_v, xa, 2 * m), a1 = value_pair<D>(lut_v, ya, 2 * m);
+        const u32 a2 = value_pair<D>(lut_v, xa, 2 * m + 1), a3 = value_pair<D>(lut_v, ya, 2 * m + 1);
+        mma16816<F16PV>(st.acc[m], a0, a1, a2, a3, lo & even_g, lo & ~even_g);
+        const u32 c0 = value_pair<D>(lut_v, xb, 2 * m), c1 = value_pair<D>(lut_v, yb, 2 * m);
+        const u32 c2 = value_pair<D>(lut_v, xb, 2 * m + 1), c3 = value_pair<D>(lut_v, yb, 2 * m + 1);
+        mma16816<F16PV>(st.acc[m], c0, c1, c2, c3, hi & even_g, hi & ~even_g);
+      }
     }
   }
 }
@@ -767,9 +819,12 @@ __device__ __forceinline__ float* cluster_partial(unsigned char* smem) {
 // index with t and the bits of g above the 32-float bank window spreads the 32 lanes over all 16 bank pairs (two
 // lanes each, the minimum for 256 bytes). The XOR is constant over aligned runs of 32 columns, so the merge's
 // reads of consecutive d stay conflict-free.
-template <int D, bool kSwizzle>
+// kSwizzle 2 (4 head slots: lane (g, t) stores float4s of row t): the float4 index XOR t, so the 8 lanes of one
+// store phase (g = 0, 1 x t = 0..3) cover all 32 banks.
+template <int D, int kSwizzle>
 __device__ __forceinline__ int red_col(int row, int d) {
-  if constexpr (!kSwizzle) return d;
+  if constexpr (kSwizzle == 0) return d;
+  if constexpr (kSwizzle == 2) return d ^ ((row & 3) << 2);
   const int x = (((row >> 1) & 3) | ((d >> 5) << 2)) & (D / 16 - 1);
   return d ^ (2 * x);
 }
@@ -831,11 +886,19 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     b = unit / gridDim.y;
     unit_y = unit - b * gridDim.y;
   }
-  const int head_groups = (group + 7) >> 3;
+  constexpr int kSlots = T::kHeadSlots;
+  const int head_groups = (group + kSlots - 1) / kSlots;
   const int h = unit_y / head_groups;
   const int hg = unit_y - h * head_groups;
-  const int nh = min(8, group - hg * 8);  // query heads served by this CTA
-  const int hq0 = h * group + hg * 8;
+  const int nh = min(kSlots, group - hg * kSlots);  // query heads served by this CTA
+  const int hq0 = h * group + hg * kSlots;
+#if FQD_PAGED_LOG2_BS > 0
+  // A build for one block size: the page arithmetic folds to shifts by a constant and the other sizes' paths go.
+  if constexpr (MODE == kPaged) {
+    if (log2_bs != FQD_PAGED_LOG2_BS) __trap();  // the host picks this build for that block size only
+    log2_bs = FQD_PAGED_LOG2_BS;
+  }
+#endif
   const int len = MODE == kPaged ? seq_lens[b] : num_keys;
   // Splits [0, long_splits) hold split_len keys, the later ones short_len.
   const int s0 = split < long_splits ? split * split_len : long_splits * split_len + (split - long_splits) * short_len;
@@ -927,8 +990,11 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   // (docs, version 9).
   float x[T::kSteps][4];
   {
-    const bool valid = g < nh && (FQD_ABLATE & 2) == 0;
-    const long long base = static_cast<long long>(b) * q_sb + static_cast<long long>(hq0 + (valid ? g : 0)) * q_sh;
+    // The lane's head of the B operand (column g): head g, or with 4 slots head g / 2, whose half g % 2 of the
+    // contraction is the lane's when t % 2 agrees (tile_scores adds the two halves).
+    const int qh = T::kPairs ? g >> 1 : g;
+    const bool valid = qh < nh && (!T::kPairs || ((g ^ t) & 1) == 0) && (FQD_ABLATE & 2) == 0;
+    const long long base = static_cast<long long>(b) * q_sb + static_cast<long long>(hq0 + (valid ? qh : 0)) * q_sh;
     constexpr int kElem = QK == kQFloat ? 4 : 2;
     const bool vector = q_sd == 1 &&
                         ((reinterpret_cast<unsigned long long>(q) + base * kElem) & (4 * kElem - 1)) == 0;
@@ -950,10 +1016,10 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 
   WarpState<D> st;
 #pragma unroll
-  for (int m = 0; m < T::kMTiles; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
-  st.thr[0] = st.thr[1] = -inf();
-  st.mu[0] = st.mu[1] = 0.f;
-  st.l[0] = st.l[1] = 0.f;
+  for (int m = 0; m < T::kPVTiles; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
+#pragma unroll
+  for (int c = 0; c < T::kCols; ++c) st.thr[c] = -inf(), st.mu[c] = 0.f, st.l[c] = 0.f;
+  const u32 even_g = (g & 1) ? 0u : ~0u;  // 4 head slots: which half of P^T's rows this lane's B column takes
 
   const u32 window_high = kClusterMerge ? static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFF0000u : 0u;
   const Lut lut_k(lane, 0, window_high);
@@ -998,20 +1064,20 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     }
     if (prefetch > 0 && cn + prefetch * kWarps < nchunks)
       kv.template prefetch_chunk<T::kChunk>(tile_at(cn + prefetch * kWarps, 0), last);
-    float s[T::kTiles][4];
+    float s[T::kTiles][T::kScores];
     tile_scores<D, W, MODE>(s, cur, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row(g), st.mu);
     if (kSplitLoads && ck < nchunks) {
 #pragma unroll
       for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(cur[j], tile_at(ck, j), last);
     }
     update_max<D, W, F16PV>(st, s);
-    float p[T::kTiles][4];  // P = exp2(s) (s arrives as score - mu)
+    float p[T::kTiles][T::kScores];  // P = exp2(s) (s arrives as score - mu)
 #pragma unroll
     for (int j = 0; j < T::kTiles; ++j) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) p[j][i] = ex2(s[j][i]);
+      for (int i = 0; i < T::kScores; ++i) p[j][i] = ex2(s[j][i]);
     }
-    accumulate_pv<D, W, F16PV>(st, p, cur, lut_v);
+    accumulate_pv<D, W, F16PV>(st, p, cur, lut_v, even_g);
     c = cn;
     return c < nchunks;
   };
@@ -1026,15 +1092,15 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   // Denominators: sum the lane partials over the 8 lanes of each head column.
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
-    st.l[0] += __shfl_xor_sync(0xffffffffu, st.l[0], off);
-    st.l[1] += __shfl_xor_sync(0xffffffffu, st.l[1], off);
+#pragma unroll
+    for (int c = 0; c < T::kCols; ++c) st.l[c] += __shfl_xor_sync(0xffffffffu, st.l[c], off);
   }
 
 #if FQD_ABLATE & 4
   if constexpr (!kClusterMerge) {  // (a cluster must reach its barriers)
     if (warp == 0 && g == 0) {
-      const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + (2 * t) % nh;
-      for (int m = 0; m < T::kMTiles; ++m) part_out[row * D + 2 * m] = st.acc[m][0] / st.l[0];
+      const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + (T::kCols * t) % nh;
+      for (int m = 0; m < T::kPVTiles; ++m) part_out[row * D + 2 * m] = st.acc[m][0] / st.l[0];
       part_lse[row] = st.running_max(0);
     }
     return;
@@ -1042,16 +1108,29 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 #endif
   // Merge the W warps through shared memory (the tables are dead now).
   __syncthreads();
-  constexpr bool kRedSwizzle = MODE == kPaged ? FQD_RED_SWIZZLE_PAGED : FQD_RED_SWIZZLE_CONTIGUOUS;
+  constexpr int kRedSwizzle = T::kPairs ? 2 : MODE == kPaged ? FQD_RED_SWIZZLE_PAGED : FQD_RED_SWIZZLE_CONTIGUOUS;
   float* red_acc = reinterpret_cast<float*>(smem);            // [kWarps][8][D], columns red_col
   float* red_m = red_acc + kWarps * 8 * D;                    // [kWarps][8]
   float* red_l = red_m + kWarps * 8;                          // [kWarps][8]
-  {
+  if constexpr (T::kPairs) {
+    // Lane (g, t) holds head t, dims (D/8)g + 4m .. + 3: one float4 per m-tile.
+    const int row = warp * 8 + t;
+#pragma unroll
+    for (int m = 0; m < T::kPVTiles; ++m) {
+      const int col = red_col<D, kRedSwizzle>(row, (D / 8) * g + 4 * m);
+      *reinterpret_cast<float4*>(red_acc + row * D + col) =
+          make_float4(st.acc[m][0], st.acc[m][2], st.acc[m][1], st.acc[m][3]);
+    }
+    if (g == 0) {
+      red_m[row] = st.running_max(0);
+      red_l[row] = st.l[0];
+    }
+  } else {
     const int row = warp * 8 + 2 * t;
     float* a0 = red_acc + row * D;
     float* a1 = a0 + D;
 #pragma unroll
-    for (int m = 0; m < T::kMTiles; ++m) {
+    for (int m = 0; m < T::kPVTiles; ++m) {
       const int col = red_col<D, kRedSwizzle>(row, (D / 8) * g + 2 * m);  // (rows 2t and 2t + 1 share their swizzle)
       *reinterpret_cast<float2*>(a0 + col) = make_float2(st.acc[m][0], st.acc[m][2]);
       *reinterpret_cast<float2*>(a1 + col) = make_float2(st.acc[m][1], st.acc[m][3]);

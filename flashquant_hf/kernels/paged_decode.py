@@ -51,19 +51,24 @@ NAME_EXPRESSIONS: tuple[str, ...] = tuple(
 )
 
 HEADS_PER_CTA = 8  # the n = 8 head slots of one mma tile
+# GQA <= 4: the build whose mma columns are (head, half of the contraction / output dims) pairs, 4 head slots per
+# CTA (every lane scores a served head; half the O^T accumulator registers). False: every group runs 8 slots.
+PAIRED_HEADS = os.environ.get("FQ_DECODE_PAIRED_HEADS", "1") == "1"
+PAIRED_OPTION = "-DFQD_HEAD_SLOTS=4"
 LUT_BYTES = 2 * 256 * 32 * 4 + 1024  # K and V byte->pair tables, one copy per lane, + kLutSlack
 MAX_PAGE_BYTES = 4096  # shared-memory copy of one split's block-table slice
 GRANULE = 128  # keys per round of all warps of a CTA (Traits<D, W>::kChunk * W for every instantiation)
 # Tuned on the H200 by benchmarks/bench_decode.py (sweep over the three benchmark shapes, version 4):
 PREFETCH_CHUNKS = 1  # paged: L2 prefetch distance, in warp iterations beyond the register prefetch (0: off)
 CONTIGUOUS_PREFETCH_CHUNKS = 0  # the same for tq_decode (its split key/value loads gained nothing from it)
-# Extra NVRTC options of the decode kernels (experiments, e.g. "-DFQD_QK_CHAINS_PAGED=4"); part of every cache key.
+# Extra NVRTC options of the decode kernels (experiments, e.g. "-DFQD_QK_CHAINS=4"); part of every cache key.
 KERNEL_OPTIONS: tuple[str, ...] = tuple(os.environ.get("FQ_DECODE_NVRTC_OPTIONS", "").split())
 SLOT_FACTOR = 1.0  # planned CTA slots = SMs x resident CTAs x SLOT_FACTOR
 # How much faster an SM's first resident CTA runs than its second (the schedulers favour older warps): when a plan's
 # CTAs fill between one and two per SM, the splits the first places take (the kernel numbers CTAs split-major) get
-# this much longer key ranges than the others, so both places finish together. 1.0: equal splits.
-FIRST_PLACE_SPEEDUP = float(os.environ.get("FQ_DECODE_FIRST_PLACE_SPEEDUP", "1.09"))
+# this much longer key ranges than the others, so both places finish together. 1.0: equal splits. H200: 1.09 for the
+# 8-slot build (version 11), 1.17 for the paired one, whose first places end ~3 us early at 1.09 (version 13).
+FIRST_PLACE_SPEEDUP = float(os.environ.get("FQ_DECODE_FIRST_PLACE_SPEEDUP", "1.17"))
 OVERHEAD_KEYS = 128  # per-CTA start/merge cost, in keys of streaming
 PARTIAL_KEYS = 64  # cost of writing + merging one partial result, in keys
 # Launch through cached cuLaunchKernel parameter arrays (kernels.loader.launch_cached) instead of CuPy's per-argument
@@ -81,9 +86,36 @@ PROGRAMMATIC_LAUNCH = os.environ.get("FQ_DECODE_PROGRAMMATIC_LAUNCH", "1") == "1
 CLUSTER_MERGE = os.environ.get("FQ_DECODE_CLUSTER_MERGE", "0") == "1"
 CLUSTER_MERGE_OPTION = "-DFQD_CLUSTER_MERGE=1"
 MAX_CLUSTER_SPLITS = 8  # the portable cluster size
-VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,),)  # builds besides the plain one (compiled by tests/test_cuda_compile.py)
+# Builds besides the plain one, compiled by tests/test_cuda_compile.py (the paired build for blocks of 16 stands for
+# every paged block-size build: the macro only fixes the shift).
+VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,), (PAIRED_OPTION, "-DFQD_PAGED_LOG2_BS=4"))
 NULL = np.uint64(0)
 LOG2E = 1.4426950408889634
+
+
+def head_slots(group: int) -> int:
+    """Query heads one CTA serves for a GQA group of ``group`` heads (the build is chosen by it, see PAIRED_HEADS)."""
+    return 4 if PAIRED_HEADS and group <= 4 else HEADS_PER_CTA
+
+
+def block_size_option(log2_block_size: int) -> str:
+    """NVRTC option of the paged build for blocks of ``2**log2_block_size`` keys (paged launches are built per block
+    size, so the page arithmetic uses constant shifts: 0.5-0.8 us per call at blocks of 16, version 13)."""
+    return f"-DFQD_PAGED_LOG2_BS={log2_block_size}"
+
+
+def build_options(mode: int, slots: int, log2_block_size: int | None) -> tuple[str, ...]:
+    """NVRTC options of the decode build a launch uses: the experiment options, the paired build for 4 head slots and
+    the paged build for its block size."""
+    options = KERNEL_OPTIONS + ((PAIRED_OPTION,) if slots == 4 else ())
+    if mode == MODE_PAGED and log2_block_size is not None:
+        options += (block_size_option(log2_block_size),)
+    return options
+
+
+def units_shape(batch: int, kv_heads: int, group: int) -> tuple[int, int, int]:
+    """(batch, H_kv, head groups): the grid's units for a group of ``group`` query heads per KV head."""
+    return batch, kv_heads, -(-group // head_slots(group))
 
 
 @dataclass(frozen=True)
@@ -115,7 +147,7 @@ def _sm_count(device_index: int) -> int:
 def _prepared_kernel(name: str, device_index: int, options: tuple[str, ...] = ()) -> tuple[Any, int]:
     """The kernel with its shared-memory limits raised, and how many of its CTAs fit on one SM."""
     device = torch.device("cuda", device_index)
-    warps = int(name.rstrip(">").split(",")[-1])
+    warps = int(name.rstrip(">").split(",")[3])
     threads = 32 * warps
     kernel = get_kernel(CUDA_SOURCE, name, device, options)
     smem = LUT_BYTES + MAX_PAGE_BYTES + 16
@@ -235,16 +267,17 @@ def clear_caches() -> None:
     _workspace.cache_clear()
 
 
-def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_shape: tuple[int, int, int],
-                rows: int, length: int, log2_block_size: int | None) -> _Launch:
-    key = (mode, head_dim, query_kind, index, units_shape, rows, length, log2_block_size, WARPS, SLOT_FACTOR,
+def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tuple[int, int, int],
+                rows: int, length: int, log2_block_size: int | None, slots: int) -> _Launch:
+    key = (mode, head_dim, query_kind, index, units, rows, length, log2_block_size, slots, WARPS, SLOT_FACTOR,
            FIRST_PLACE_SPEEDUP, KERNEL_OPTIONS, CLUSTER_MERGE)
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
-    batch, kv_heads, head_groups = units_shape
+    batch, kv_heads, head_groups = units
     warps = warps_for(head_dim)
-    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, KERNEL_OPTIONS)
+    options = build_options(mode, slots, log2_block_size)
+    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, options)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
     if not CLUSTER_MERGE:  # (a cluster launch numbers its CTAs x = split, see the kernel)
@@ -257,7 +290,7 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units_sha
     if (plan.splits > 1 and CLUSTER_MERGE and plan.splits <= MAX_CLUSTER_SPLITS
             and loader.device_capability(index) >= loader.CLUSTER_MIN_CAPABILITY):
         clustered, _ = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index,
-                                        KERNEL_OPTIONS + (CLUSTER_MERGE_OPTION,))
+                                        options + (CLUSTER_MERGE_OPTION,))
         function = loader.function_ptr(clustered, index)
         units = batch * kv_heads * head_groups
         active = loader.max_active_clusters(function, plan.splits, grid, 32 * warps, plan.shared_mem, index)
@@ -283,7 +316,7 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
 
 
 def run_decode(
-    mode: int, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, units_shape: tuple[int, int, int],
+    mode: int, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, batch: int, kv_heads: int,
     group: int, max_len: int, centroids: tuple[torch.Tensor, torch.Tensor], scale: float, out: torch.Tensor,
     lse: torch.Tensor, log2_block_size: int | None = None,
 ) -> None:
@@ -291,7 +324,8 @@ def run_decode(
     ``rows x D`` and ``rows`` elements).
 
     ``tensor_args``: the 25 layout arguments of the kernel between the query strides and ``k_cent`` (pointers as
-    tensors or ``NULL``, strides as ``np.int64``, ints as int). ``units_shape``: (batch, H_kv, head_groups).
+    tensors or ``NULL``, strides as ``np.int64``, ints as int). The grid's units are ``units_shape(batch, H_kv,
+    group)``.
     The plan, workspace and argument layout are cached per shape, so repeated calls (every layer of every decode
     step) only rewrite pointers and launch.
     """
@@ -301,7 +335,8 @@ def run_decode(
     head_dim = q3.shape[-1]
     rows = lse.numel()
     length = -(-max_len // GRANULE) * GRANULE
-    setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], index, units_shape, rows, length, log2_block_size)
+    setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], index, units_shape(batch, kv_heads, group), rows,
+                        length, log2_block_size, head_slots(group))
     plan = setup.plan
     if plan.splits == 1 or setup.cluster > 1:  # written directly (merged in the cluster)
         part_out, part_lse = out, lse
@@ -422,7 +457,6 @@ def paged_decode(
         np.int64(blocks.stride(0)), layout.log2_block_size, 0,
     )
     run_decode(
-        MODE_PAGED, q_rot, tuple(q_rot.stride()), tensor_args, (num_seqs, kv_heads, -(-group // HEADS_PER_CTA)),
-        group, max_len, (k_centroids, v_centroids), float(scale), out, lse, layout.log2_block_size,
+        MODE_PAGED, q_rot, tuple(q_rot.stride()), tensor_args, num_seqs, kv_heads, group, max_len, (k_centroids, v_centroids), float(scale), out, lse, layout.log2_block_size,
     )
     return out, lse

@@ -13,7 +13,6 @@ import torch
 
 from . import checks
 from .paged_decode import (
-    HEADS_PER_CTA,
     HEAD_DIMS,
     MODE_CONTIGUOUS,
     MODE_CONTIGUOUS_BIAS,
@@ -120,7 +119,7 @@ def tq_decode(
     )
     qs = q_rot.stride()
     run_decode(
-        mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, (batch, kv_heads, -(-group // HEADS_PER_CTA)), group,
+        mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, batch, kv_heads, group,
         num_keys, (k_centroids, v_centroids), float(scale), out, lse,
     )
     return out, lse
