@@ -36,6 +36,7 @@
 
 #include "cluster.cuh"
 #include "grid_dependency.cuh"
+#include "tile_copy.cuh"
 
 namespace fqd {
 
@@ -102,6 +103,13 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #define FQD_HEAD_SLOTS 8
 #endif
 
+// Paged builds for blocks of 16 keys on sm_90 (8 warps): each 16-key tile (one block's 16 (D + 8) bytes of a head)
+// reaches shared memory by one bulk copy of the copy engine, two tiles ahead per warp, and the lanes read their
+// fragments from there, instead of ten register loads per lane and an L2 prefetch (see load_staged).
+#ifndef FQD_TMA_TILES
+#define FQD_TMA_TILES 0
+#endif
+
 // Paged builds are made for one block size (log2; the host passes it, see paged_decode.block_size_option), so the page
 // arithmetic folds to constant shifts and the other sizes' paths go; 0: any block size, read from the launch.
 #ifndef FQD_PAGED_LOG2_BS
@@ -109,7 +117,8 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #endif
 
 // Timing ablations only (wrong results): bit 1 skips the table build, bit 2 the query load, bit 4 the cross-warp
-// reduction (warp 0 writes its own state), bit 8 returns at once (the launch alone).
+// reduction (warp 0 writes its own state), bit 8 returns at once (the launch alone), bit 16 the value lookups' shared
+// loads (the PRMT result stands in), bit 32 the value loads (the key words stand in; the bytes still reach L2).
 #ifndef FQD_ABLATE
 #define FQD_ABLATE 0
 #endif
@@ -342,10 +351,15 @@ __device__ __forceinline__ void build_tables(unsigned char* smem, float centroid
 // t + 4i: the 8 lanes sharing t read one whole value row each, and the four t of one load read rows t..t+3 (two
 // 128-byte lines, against four half-used lines for rows 2t in the plain order); the key loads still cover rows
 // 0-7 / 8-15 whole.
+// FQD_KEY_PERMUTE=2 (builds with staged tiles, whose loads come from shared memory): key_row(g) = g ^ (g >> 1 & 1),
+// so the two rows of one 16-byte key load phase (g = 2u, 2u + 1) are an odd number of 64-byte rows apart (no bank
+// conflict) and each value load phase reads two even and two odd rows (two-way instead of four-way).
 __device__ __forceinline__ int key_row(int g) {
+  if constexpr (FQD_KEY_PERMUTE == 2) return g ^ ((g >> 1) & 1);
   return FQD_KEY_PERMUTE ? (g >> 1) | ((g & 1) << 2) : g;
 }
 __device__ __forceinline__ int value_row(int i, int t) {
+  if constexpr (FQD_KEY_PERMUTE == 2) return key_row(2 * t + (i & 1)) + 8 * (i >> 1);
   return FQD_KEY_PERMUTE ? t + 4 * i : 2 * t + (i & 1) + 8 * (i >> 1);
 }
 
@@ -422,10 +436,17 @@ struct KVAddress {
         }
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], kp);
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], kp + 8 * (D / 2));
+#if FQD_ABLATE & 32
+        if constexpr ((PART & kPartV) != 0) {
+          for (int i = 0; i < 4; ++i)
+            for (int w = 0; w < Traits<D>::kVWords; ++w) tile.v[i][w] = tile.k[i & 1][w] ^ i;
+        }
+#else
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], vp);
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], vp + dv1 * (D / 2));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], vp + 8 * (D / 2));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], vp + (dv1 + 8) * (D / 2));
+#endif
         if constexpr ((PART & kPartK) != 0) tile.kn[0] = load_f32(reinterpret_cast<const float*>(knp));
         if constexpr ((PART & kPartK) != 0) tile.kn[1] = load_f32(reinterpret_cast<const float*>(knp + 32));
         if constexpr ((PART & kPartV) != 0) tile.vn[0] = load_f32(reinterpret_cast<const float*>(vnp));
@@ -463,7 +484,9 @@ struct KVAddress {
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], kp);
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], at(kp, 8u, k_sn));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], vp);
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], at(vp, dv1, v_sn));
+        if constexpr ((PART & kPartV) != 0) {  // (dv1 < 0 in the order of FQD_KEY_PERMUTE=2)
+          load_words(tile.v[1], FQD_KEY_PERMUTE == 2 ? vp + static_cast<long long>(dv1) * v_sn : at(vp, dv1, v_sn));
+        }
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], at(vp, 8u, v_sn));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], at(vp, dv1 + 8u, v_sn));
         const unsigned char* knp = at(kn, r + kr, kn_sn);
@@ -551,6 +574,48 @@ struct KVAddress {
     }
   }
 };
+
+// Shared-memory words of a 16-key tile staged by bulk_copy (the block's bytes as in global memory).
+template <int NW>
+__device__ __forceinline__ void load_shared_words(u32 (&w)[NW], const unsigned char* p) {
+  if constexpr (NW == 1) {
+    w[0] = *reinterpret_cast<const u32*>(p);
+  } else if constexpr (NW == 2) {
+    const uint2 x = *reinterpret_cast<const uint2*>(p);
+    w[0] = x.x, w[1] = x.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < NW; i += 4) {
+      const uint4 x = *reinterpret_cast<const uint4*>(p + 4 * i);
+      w[i] = x.x, w[i + 1] = x.y, w[i + 2] = x.z, w[i + 3] = x.w;
+    }
+  }
+}
+
+// The lane's slice of the tile starting at key ts from its staged block (16 keys: [K idx | K norm | V idx | V norm]),
+// the same registers KVAddress::load fills; rows past `last` (a split's last tile) are clamped to it.
+template <int D>
+__device__ __forceinline__ void load_staged(Tile<D>& tile, const unsigned char* stage, int ts, int last) {
+  using T = Traits<D>;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  int rk[2] = {key_row(g), key_row(g) + 8};
+  int rv[4] = {value_row(0, t), value_row(1, t), value_row(2, t), value_row(3, t)};
+  if (ts + 15 > last) {
+    for (int i = 0; i < 2; ++i) rk[i] = min(rk[i], last - ts);
+    for (int i = 0; i < 4; ++i) rv[i] = min(rv[i], last - ts);
+  }
+  const unsigned char* const kn = stage + 16 * (D / 2);
+  const unsigned char* const v = kn + 16 * 4;
+  const unsigned char* const vn = v + 16 * (D / 2);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    load_shared_words(tile.k[i], stage + rk[i] * (D / 2) + t * T::kKBytes);
+    tile.kn[i] = *reinterpret_cast<const float*>(kn + rk[i] * 4);
+    tile.vn[i] = *reinterpret_cast<const float*>(vn + rk[i] * 4);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) load_shared_words(tile.v[i], v + rv[i] * (D / 2) + g * T::kVBytes);
+}
 
 // Per-warp online-softmax state for the lane's head columns (8 slots: heads 2t, 2t+1; 4 slots: head t) plus the O^T
 // accumulators. Accumulator e of an m-tile belongs to column e % kCols.
@@ -694,6 +759,9 @@ __device__ __forceinline__ void update_max(WarpState<D>& st, float (&s)[Traits<D
 // nibbles of the two keys of an A register (see accumulate_pv); byte q of the lane's value slice is dims 2q, 2q+1.
 template <int D>
 __device__ __forceinline__ u32 value_pair(const Lut& lut_v, const u32 (&w)[Traits<D>::kVWords], int q) {
+#if FQD_ABLATE & 16
+  return __byte_perm(w[q >> 2], lut_v.lane, 0x7604u | ((q & 3) << 4));
+#endif
   switch (q & 3) {
     case 0: return lut_v.get<0>(w[q >> 2]);
     case 1: return lut_v.get<1>(w[q >> 2]);
@@ -925,7 +993,13 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   KVAddress<D, MODE> kv;
-  int* const pages = reinterpret_cast<int*>(smem + kPagesOffset);  // paged: this split's block ids
+  // Bulk-copied tiles (FQD_TMA_TILES): two 16-key stages per warp and their barriers, ahead of the block ids.
+  constexpr bool kTma = FQD_TMA_TILES && MODE == kPaged && FQD_PAGED_LOG2_BS == 4 && kWarps == 8;
+  constexpr int kStageBytes = 16 * (D + 8);
+  unsigned char* const stage = smem + kPagesOffset + warp * 2 * kStageBytes;
+  unsigned long long* const stage_bar =
+      reinterpret_cast<unsigned long long*>(smem + kPagesOffset + kWarps * 2 * kStageBytes) + 2 * warp;
+  int* const pages = reinterpret_cast<int*>(smem + kPagesOffset + (kTma ? kWarps * 2 * (kStageBytes + 8) : 0));
   if constexpr (MODE == kPaged) {
     const int page0 = s0 >> log2_bs;
     const int npages = ((s1 - 1) >> log2_bs) - page0 + 1;
@@ -974,9 +1048,24 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   constexpr bool kSplitLoads = MODE != kPaged;
   constexpr int kAhead = kSplitLoads ? kPartV : kPartKV;  // what is loaded for chunk c + kWarps when c starts
   Tile<D> bufa[T::kTiles], bufb[T::kTiles];
+  // Bulk-copied tiles: the block of chunk c (a chunk is one tile, a tile one block here) from this head's slice.
+  const unsigned char* const tile_src = k_idx + h * kStageBytes;
+  auto copy_tile = [&](int chunk, int slot) {
+    const u32 page = kv.pages[(tile_at(chunk, 0) >> 4) - kv.page0];
+    bulk_copy(stage + slot * kStageBytes, at(tile_src, page, kv.page_stride), kStageBytes, stage_bar + slot);
+  };
   // The first tiles are in flight during the prologue (the paged layout reads their block ids from the global
   // block table, see above).
-  if (c < nchunks) {
+  if constexpr (kTma) {
+    if (lane == 0) {
+      barrier_init(stage_bar);
+      barrier_init(stage_bar + 1);
+      fence_barrier_init();
+      if (c < nchunks) copy_tile(c, 0);
+      if (c + kWarps < nchunks) copy_tile(c + kWarps, 1);
+    }
+    __syncwarp();
+  } else if (c < nchunks) {
 #pragma unroll
     for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartKV>(bufa[j], tile_at(c, j), last);
   }
@@ -1054,7 +1143,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   stamp[2] = global_ns();
 #endif
   for (int i = 1; i <= prefetch; ++i) {
-    if (c + i * kWarps < nchunks) kv.template prefetch_chunk<T::kChunk>(tile_at(c + i * kWarps, 0), last);
+    const int ahead = c + (kTma ? i + 1 : i) * kWarps;
+    if (ahead < nchunks) kv.template prefetch_chunk<T::kChunk>(tile_at(ahead, 0), last);
   }
   auto step = [&](Tile<D>(&cur)[T::kTiles], Tile<D>(&nxt)[T::kTiles]) {
     const int cn = c + kWarps, ck = c + 2 * kWarps;
@@ -1081,7 +1171,28 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     c = cn;
     return c < nchunks;
   };
-  while (c < nchunks && step(bufa, bufb) && step(bufb, bufa)) {
+  if constexpr (kTma) {
+    // Step i consumes slot i % 2 (its barrier's phase i / 2 % 2), then refills it with chunk c + 2 kWarps once
+    // every lane has its registers.
+    for (int i = 0; c < nchunks; ++i, c += kWarps) {
+      const int slot = i & 1;
+      barrier_wait(stage_bar + slot, (i >> 1) & 1);
+      load_staged<D>(bufa[0], stage + slot * kStageBytes, tile_at(c, 0), last);
+      __syncwarp();
+      if (lane == 0 && c + 2 * kWarps < nchunks) copy_tile(c + 2 * kWarps, slot);
+      if (prefetch > 0 && c + (2 + prefetch) * kWarps < nchunks)
+        kv.template prefetch_chunk<T::kChunk>(tile_at(c + (2 + prefetch) * kWarps, 0), last);
+      float s[T::kTiles][T::kScores];
+      tile_scores<D, W, MODE>(s, bufa, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row(g), st.mu);
+      update_max<D, W, F16PV>(st, s);
+      float p[T::kTiles][T::kScores];
+#pragma unroll
+      for (int i2 = 0; i2 < T::kScores; ++i2) p[0][i2] = ex2(s[0][i2]);
+      accumulate_pv<D, W, F16PV>(st, p, bufa, lut_v, even_g);
+    }
+  } else {
+    while (c < nchunks && step(bufa, bufb) && step(bufb, bufa)) {
+    }
   }
 
   // The merge (launched programmatically) may now be scheduled; it waits for this grid to finish.

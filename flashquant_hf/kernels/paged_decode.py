@@ -13,6 +13,7 @@ split the kernel writes the result directly, otherwise ``split_k_reduce.cu`` mer
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -55,6 +56,14 @@ HEADS_PER_CTA = 8  # the n = 8 head slots of one mma tile
 # CTA (every lane scores a served head; half the O^T accumulator registers). False: every group runs 8 slots.
 PAIRED_HEADS = os.environ.get("FQ_DECODE_PAIRED_HEADS", "1") == "1"
 PAIRED_OPTION = "-DFQD_HEAD_SLOTS=4"
+# Paged blocks of 16 keys on sm_90 (8 warps): every tile reaches shared memory by one bulk copy of the copy engine,
+# two tiles ahead per warp, read back in the key order of FQD_KEY_PERMUTE=2 (no L2 prefetch: 0.75 us faster without
+# it), instead of ten register loads per lane plus an L2 prefetch: 86.2 -> 82.7 us at B=8/N=32K on the H200
+# (docs/kernels_decode.md, version 13). Env FQ_DECODE_TMA_TILES=0 turns it off.
+TMA_TILES = os.environ.get("FQ_DECODE_TMA_TILES", "1") == "1"
+TMA_OPTION = "-DFQD_TMA_TILES=1"
+TMA_OPTIONS = (TMA_OPTION, "-DFQD_KEY_PERMUTE=2")
+TMA_PREFETCH_CHUNKS = 0  # L2 prefetch distance beyond the two staged tiles
 LUT_BYTES = 2 * 256 * 32 * 4 + 1024  # K and V byte->pair tables, one copy per lane, + kLutSlack
 MAX_PAGE_BYTES = 4096  # shared-memory copy of one split's block-table slice
 GRANULE = 128  # keys per round of all warps of a CTA (Traits<D, W>::kChunk * W for every instantiation)
@@ -86,9 +95,9 @@ PROGRAMMATIC_LAUNCH = os.environ.get("FQ_DECODE_PROGRAMMATIC_LAUNCH", "1") == "1
 CLUSTER_MERGE = os.environ.get("FQ_DECODE_CLUSTER_MERGE", "0") == "1"
 CLUSTER_MERGE_OPTION = "-DFQD_CLUSTER_MERGE=1"
 MAX_CLUSTER_SPLITS = 8  # the portable cluster size
-# Builds besides the plain one, compiled by tests/test_cuda_compile.py (the paired build for blocks of 16 stands for
-# every paged block-size build: the macro only fixes the shift).
-VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,), (PAIRED_OPTION, "-DFQD_PAGED_LOG2_BS=4"))
+# Builds besides the plain one, compiled by tests/test_cuda_compile.py: the paired build with staged tiles for blocks
+# of 16 keys also stands for the other paged block-size builds (the macro only fixes the shift).
+VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,), (PAIRED_OPTION, "-DFQD_PAGED_LOG2_BS=4", *TMA_OPTIONS))
 NULL = np.uint64(0)
 LOG2E = 1.4426950408889634
 
@@ -104,13 +113,24 @@ def block_size_option(log2_block_size: int) -> str:
     return f"-DFQD_PAGED_LOG2_BS={log2_block_size}"
 
 
-def build_options(mode: int, slots: int, log2_block_size: int | None) -> tuple[str, ...]:
-    """NVRTC options of the decode build a launch uses: the experiment options, the paired build for 4 head slots and
-    the paged build for its block size."""
-    options = KERNEL_OPTIONS + ((PAIRED_OPTION,) if slots == 4 else ())
+def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: int, device_index: int) -> tuple[str, ...]:
+    """NVRTC options of the decode build a launch uses: the experiment options, the paired build for 4 head slots
+    (``heads``), the paged build for its block size, and staged tiles where they apply (see TMA_TILES)."""
+    options = KERNEL_OPTIONS + ((PAIRED_OPTION,) if heads == 4 else ())
     if mode == MODE_PAGED and log2_block_size is not None:
         options += (block_size_option(log2_block_size),)
+        if (TMA_TILES and log2_block_size == 4 and warps_for(head_dim) == 8
+                and loader.device_capability(device_index) >= (9, 0)):
+            options += TMA_OPTIONS
     return options
+
+
+def staged_tile_bytes(options: tuple[str, ...], head_dim: int, warps: int) -> int:
+    """Shared memory of the bulk-copied tile stages (two 16-key tiles and their barriers per warp) in builds with
+    ``-DFQD_TMA_TILES=1`` for blocks of 16 keys (the kernel stages only those), else 0."""
+    if TMA_OPTION not in options or "-DFQD_PAGED_LOG2_BS=4" not in options or warps != 8:
+        return 0
+    return warps * 2 * (16 * (head_dim + 8) + 8)
 
 
 def units_shape(batch: int, kv_heads: int, group: int) -> tuple[int, int, int]:
@@ -150,7 +170,8 @@ def _prepared_kernel(name: str, device_index: int, options: tuple[str, ...] = ()
     warps = int(name.rstrip(">").split(",")[3])
     threads = 32 * warps
     kernel = get_kernel(CUDA_SOURCE, name, device, options)
-    smem = LUT_BYTES + MAX_PAGE_BYTES + 16
+    head_dim = int(name.split("<")[1].split(",")[0])
+    smem = LUT_BYTES + MAX_PAGE_BYTES + 16 + staged_tile_bytes(options, head_dim, warps)
     kernel.max_dynamic_shared_size_bytes = smem
     try:
         kernel.preferred_shared_memory_carveout = 100  # 2-3 CTAs x ~69 KB need the largest carveout
@@ -253,6 +274,7 @@ class _Launch:
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
     cluster: int  # > 1: CTAs per cluster (= splits; the kernel built with CLUSTER_MERGE_OPTION merges in the cluster)
+    prefetch: int  # the kernel's L2 prefetch distance (chunks)
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
@@ -268,21 +290,25 @@ def clear_caches() -> None:
 
 
 def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tuple[int, int, int],
-                rows: int, length: int, log2_block_size: int | None, slots: int) -> _Launch:
-    key = (mode, head_dim, query_kind, index, units, rows, length, log2_block_size, slots, WARPS, SLOT_FACTOR,
-           FIRST_PLACE_SPEEDUP, KERNEL_OPTIONS, CLUSTER_MERGE)
+                rows: int, length: int, log2_block_size: int | None, heads: int) -> _Launch:
+    key = (mode, head_dim, query_kind, index, units, rows, length, log2_block_size, heads, WARPS, SLOT_FACTOR,
+           FIRST_PLACE_SPEEDUP, KERNEL_OPTIONS, CLUSTER_MERGE, TMA_TILES, PREFETCH_CHUNKS, TMA_PREFETCH_CHUNKS,
+           CONTIGUOUS_PREFETCH_CHUNKS)
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
     batch, kv_heads, head_groups = units
     warps = warps_for(head_dim)
-    options = build_options(mode, slots, log2_block_size)
+    options = build_options(mode, heads, log2_block_size, head_dim, index)
     kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, options)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
     if not CLUSTER_MERGE:  # (a cluster launch numbers its CTAs x = split, see the kernel)
         plan = balance_places(plan, batch * kv_heads * head_groups, length, _sm_count(index), ctas_per_sm,
                               log2_block_size)
+    staged = staged_tile_bytes(options, head_dim, warps)
+    if staged:
+        plan = dataclasses.replace(plan, shared_mem=plan.shared_mem + staged)
     grid = (plan.splits, kv_heads * head_groups, batch)
     merge = part_out = part_lse = None
     merge_ptr = 0
@@ -299,8 +325,12 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tu
     if plan.splits > 1 and cluster == 1:
         part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
         merge, merge_ptr = split_k.merge_kernel(head_dim, index, plan.splits)
+    if mode != MODE_PAGED:
+        prefetch = CONTIGUOUS_PREFETCH_CHUNKS
+    else:
+        prefetch = TMA_PREFETCH_CHUNKS if TMA_OPTION in options else PREFETCH_CHUNKS
     found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, part_out,
-                    part_lse, cluster)
+                    part_lse, cluster, prefetch)
     if len(_LAUNCHES) >= _CACHE_LIMIT:
         _LAUNCHES.clear()
     _LAUNCHES[key] = found
@@ -345,7 +375,7 @@ def run_decode(
     args = (
         q3, np.int64(q_strides[0]), np.int64(q_strides[1]), np.int64(q_strides[2]), *tensor_args,
         centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, *plan.kernel_lengths,
-        part_out, part_lse, rows, PREFETCH_CHUNKS if mode == MODE_PAGED else CONTIGUOUS_PREFETCH_CHUNKS,
+        part_out, part_lse, rows, setup.prefetch,
     )
     launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem,
                   setup.cluster)

@@ -1,0 +1,55 @@
+// Bulk copies global -> shared memory by the Hopper copy engine (cp.async.bulk, no tensor map), completed on an
+// mbarrier that counts the bytes. sm_90+ only: the bodies compile to a trap before sm_90 (callers build them only
+// for sm_90 launches).
+#ifndef FQ_TILE_COPY_CUH
+#define FQ_TILE_COPY_CUH
+
+__device__ __forceinline__ unsigned int shared_address(const void* p) {
+  return static_cast<unsigned int>(__cvta_generic_to_shared(p));
+}
+
+// One arrival (the copy's issuing thread) per phase; visible to the copy engine after fence_barrier_init.
+__device__ __forceinline__ void barrier_init(unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void fence_barrier_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` to shared `dst`; the phase of `bar`
+// completes when they have landed. The shared bytes' previous readers must be done (see copy_tile's caller).
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned int b = shared_address(bar);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads of dst before the engine's writes
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(b) : "memory");
+#else
+  __trap();
+#endif
+}
+
+// Waits until the phase with parity `parity` of `bar` has completed.
+__device__ __forceinline__ void barrier_wait(unsigned long long* bar, unsigned int parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n"
+      "}\n" ::"r"(shared_address(bar)), "r"(parity) : "memory");
+#else
+  __trap();
+#endif
+}
+
+#endif  // FQ_TILE_COPY_CUH
