@@ -60,3 +60,35 @@ def test_balance_leaves_other_plans_alone(units, length, ctas_per_sm, speedup):
     plan = pd.plan_decode(units, length, 128, ctas_per_sm * 132, None)
     assert pd.balance_places(plan, units, length, 132, ctas_per_sm, None, speedup) == plan
     assert plan.kernel_lengths == (plan.split_len, plan.splits, plan.split_len)
+
+
+@pytest.mark.parametrize("group,heads,units", [(1, 4, 1), (3, 4, 1), (4, 4, 1), (5, 8, 1), (8, 8, 1), (12, 8, 2)])
+def test_gqa_groups_pick_their_head_slots(group, heads, units, monkeypatch):
+    """GQA <= 4 runs the paired build (4 head slots per CTA), larger groups the 8-slot one in ceil(G / 8) CTAs."""
+    monkeypatch.setattr(pd, "PAIRED_HEADS", True)
+    assert pd.head_slots(group) == heads
+    assert pd.units_shape(3, 2, group) == (3, 2, units)
+    monkeypatch.setattr(pd, "PAIRED_HEADS", False)
+    assert pd.head_slots(group) == 8
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0)])
+@pytest.mark.parametrize("log2_bs", [None, 3, 4, 6])
+@pytest.mark.parametrize("heads", [4, 8])
+def test_build_options_per_block_size_and_staged_tiles(capability, log2_bs, heads, monkeypatch):
+    """Paged builds carry their block size; staged tiles (and their key order and shared memory) only for blocks of
+    16 keys on sm_90 with 8-warp CTAs; contiguous builds neither."""
+    monkeypatch.setattr(pd.loader, "device_capability", lambda index: capability)
+    monkeypatch.setattr(pd, "KERNEL_OPTIONS", ())
+    monkeypatch.setattr(pd, "TMA_TILES", True)
+    mode = pd.MODE_CONTIGUOUS if log2_bs is None else pd.MODE_PAGED
+    options = pd.build_options(mode, heads, log2_bs, 128, 0)
+    assert (pd.PAIRED_OPTION in options) == (heads == 4)
+    assert (f"-DFQD_PAGED_LOG2_BS={log2_bs}" in options) == (log2_bs is not None)
+    staged = log2_bs == 4 and capability >= (9, 0)
+    assert all(o in options for o in pd.TMA_OPTIONS) == staged
+    assert pd.staged_tile_bytes(options, 128, 8) == (8 * 2 * (16 * 136 + 8) if staged else 0)
+    assert pd.staged_tile_bytes(options, 128, 4) == 0
+    assert pd.TMA_OPTION not in pd.build_options(mode, heads, log2_bs, 256, 0)  # head_dim 256 runs 4-warp CTAs
+    monkeypatch.setattr(pd, "TMA_TILES", False)
+    assert pd.TMA_OPTION not in pd.build_options(mode, heads, log2_bs, 128, 0)

@@ -308,3 +308,29 @@ def test_paged_decode_rising_scores(dtype, block_size):
         v_nrm[table[i, : -(-n // block_size)]] = 200.0 * torch.rand(v_nrm[table[i, : -(-n // block_size)]].shape,
                                                                      device=DEV, generator=g)
     check(torch.randn(len(lens), 8, 128, device=DEV, dtype=dtype), blocks, table, lens_t, block_size)
+
+
+@pytest.mark.parametrize("group", [3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_decode_staged_and_register_tiles(group, head_dim, monkeypatch, poison):
+    """Blocks of 16 keys: the tiles bulk-copied into shared memory (sm_90) and the register loads (other GPUs,
+    FQ_DECODE_TMA_TILES=0) both equal the reference on ragged sequences (a split's partial last tile, empty and
+    one-key sequences), with the paired build (GQA 3: three of its four head slots) and the 8-slot one; outputs
+    poisoned first."""
+    import flashquant_hf.kernels.paged_decode as pd
+
+    lens = [4100, 0, 1, 17, 999]
+    blocks, table, lens_t = random_store(lens, 16, 2, head_dim, seed=130 + group + head_dim)
+    q = torch.randn(len(lens), 2 * group, head_dim, device=DEV, dtype=torch.bfloat16)
+    c = centroids(head_dim)
+    staged_available = torch.cuda.get_device_capability() >= (9, 0)
+    results = []
+    for staged in (True, False):
+        monkeypatch.setattr(pd, "TMA_TILES", staged)
+        result, setup = decode_poisoned(monkeypatch, poison, q, blocks, table, lens_t, c, c, 4, 4, head_dim**-0.5, 16)
+        assert (setup.prefetch == pd.TMA_PREFETCH_CHUNKS and setup.plan.shared_mem > pd.LUT_BYTES + pd.MAX_PAGE_BYTES) \
+            == (staged and staged_available), setup
+        results.append(result)
+        check(q, blocks, table, lens_t, 16)
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=2e-3, atol=2e-3)
+    pd.clear_caches()
