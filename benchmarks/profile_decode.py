@@ -31,13 +31,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warps", type=int, default=None)
     parser.add_argument("--prefetch", type=int, default=None)
     parser.add_argument("--contiguous", action="store_true", help="tq_decode on the contiguous layout")
-    parser.add_argument("--options", default=None, help="extra NVRTC options, e.g. -DFQD_QK_CHAINS_PAGED=4")
+    parser.add_argument("--options", default=None, help="extra NVRTC options, e.g. -DFQD_QK_CHAINS=4")
     parser.add_argument("--launches", type=int, default=6)
     parser.add_argument("--time", action="store_true", help="also print the GPU time per call")
     parser.add_argument("--sweep", action="store_true",
                         help="time the paged decode at B=8/32K, 1/128K, 32/8K for every --sweep-options x L2 prefetch "
                              "0/1 (interleaved rounds, one process), then exit")
-    parser.add_argument("--sweep-options", nargs="*", default=["", "-DFQD_QK_CHAINS_PAGED=4"])
+    parser.add_argument("--sweep-options", nargs="*", default=["", "-DFQD_QK_CHAINS=4"])
     parser.add_argument("--scaling", action="store_true",
                         help="time the contiguous decode at a fixed CTA count (B=8 with 4 splits, B=32 with 1) over "
                              "several lengths for every --sweep-options and fit time = fixed + per-key cost, then exit")

@@ -1,9 +1,11 @@
 // Split-K FlashDecoding over a TQ4-compressed KV cache (paged store or contiguous per-layer layout).
 //
 // One CTA (4 or 8 warps) serves up to 8 query heads (4 in the paired build) of one KV head for one key range
-// ("split") of one sequence, so the K/V bytes are read once under GQA. Both products run on tensor cores (mma.sync m16n8k16, fp32 accumulate):
+// ("split") of one sequence, so the K/V bytes are read once under GQA. Both products run on tensor cores
+// (mma.sync m16n8k16, fp32 accumulate):
 //
-//   S^T = K Q^T   A = 16 keys x 16 dims built from packed nibbles, B = Q^T (8 head slots), C = keys x heads
+//   S^T = K Q^T   A = 16 keys x 16 dims built from packed nibbles, B = Q^T (8 columns: head slots, or (head, half)
+//                 pairs in the paired build), C = keys x columns
 //   O^T = V^T P^T A = 16 dims x 16 keys built from packed nibbles, B = P^T (after one movmatrix transpose)
 //
 // The contraction dimension of an mma may be permuted freely as long as A and B agree. The kernel uses this
@@ -81,7 +83,8 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #define FQD_RED_SWIZZLE_PAGED 0
 #endif
 // Key order inside a 16-key tile (key_row / value_row): 1 lets a warp's value loads cover whole consecutive rows
-// (half the L1 wavefronts); 0 is the plain order (A/B hook).
+// (half the L1 wavefronts); 0 is the plain order (A/B hook); 2 is the order of the staged tiles' shared-memory reads
+// (see key_row; the host passes it with FQD_TMA_TILES).
 #ifndef FQD_KEY_PERMUTE
 #define FQD_KEY_PERMUTE 1
 #endif
@@ -887,8 +890,8 @@ __device__ __forceinline__ float* cluster_partial(unsigned char* smem) {
 // index with t and the bits of g above the 32-float bank window spreads the 32 lanes over all 16 bank pairs (two
 // lanes each, the minimum for 256 bytes). The XOR is constant over aligned runs of 32 columns, so the merge's
 // reads of consecutive d stay conflict-free.
-// kSwizzle 2 (4 head slots: lane (g, t) stores float4s of row t): the float4 index XOR t, so the 8 lanes of one
-// store phase (g = 0, 1 x t = 0..3) cover all 32 banks.
+// kSwizzle 2 (4 head slots: lane (g, t) stores float4s of row t): the float4 index XOR t, so at D = 128 the 8 lanes
+// of one store phase (g = 0, 1 x t = 0..3) cover all 32 banks (two-way at D = 64 and 256, where g = 0, 1 share them).
 template <int D, int kSwizzle>
 __device__ __forceinline__ int red_col(int row, int d) {
   if constexpr (kSwizzle == 0) return d;
@@ -1045,6 +1048,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   //  * Paged: all of chunk c + kWarps is loaded when chunk c starts (one page lookup per tile instead of two);
   //    measured on the H200 (docs/kernels_decode.md, version 4), split loads were 1-2 % slower here and 5 %
   //    faster on the contiguous layout.
+  //  * Staged tiles (kTma): no register loads; chunks c + kWarps and c + 2 kWarps are in flight to shared memory
+  //    (the loop below).
   constexpr bool kSplitLoads = MODE != kPaged;
   constexpr int kAhead = kSplitLoads ? kPartV : kPartKV;  // what is loaded for chunk c + kWarps when c starts
   Tile<D> bufa[T::kTiles], bufb[T::kTiles];
@@ -1118,7 +1123,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   u32 qf[T::kSteps][2];
   // The queries are multiplied by 2^-e so that their largest magnitude lies in [2^14, 2^15) (exact; fp16 range
   // and full fp16 precision for any input scale); 2^e goes back into the score scale. Q^T fragments: head g of
-  // this group, dims t*D/4 + 4kk + {0,1} and {2,3}; missing heads are zero.
+  // this group (paired build: head g / 2, zero unless t % 2 == g % 2), dims t*D/4 + 4kk + {0,1} and {2,3}; missing
+  // heads are zero.
   {
     float amax = 0.f;
 #pragma unroll
@@ -1146,6 +1152,17 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     const int ahead = c + (kTma ? i + 1 : i) * kWarps;
     if (ahead < nchunks) kv.template prefetch_chunk<T::kChunk>(tile_at(ahead, 0), last);
   }
+  // The rest of a step once the scores are in: the running max, P = exp2(s) (s arrives as score - mu), l and O^T.
+  auto softmax_pv = [&](const Tile<D>(&cur)[T::kTiles], float (&s)[T::kTiles][T::kScores]) {
+    update_max<D, W, F16PV>(st, s);
+    float p[T::kTiles][T::kScores];
+#pragma unroll
+    for (int j = 0; j < T::kTiles; ++j) {
+#pragma unroll
+      for (int i = 0; i < T::kScores; ++i) p[j][i] = ex2(s[j][i]);
+    }
+    accumulate_pv<D, W, F16PV>(st, p, cur, lut_v, even_g);
+  };
   auto step = [&](Tile<D>(&cur)[T::kTiles], Tile<D>(&nxt)[T::kTiles]) {
     const int cn = c + kWarps, ck = c + 2 * kWarps;
     if (cn < nchunks) {
@@ -1160,14 +1177,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 #pragma unroll
       for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(cur[j], tile_at(ck, j), last);
     }
-    update_max<D, W, F16PV>(st, s);
-    float p[T::kTiles][T::kScores];  // P = exp2(s) (s arrives as score - mu)
-#pragma unroll
-    for (int j = 0; j < T::kTiles; ++j) {
-#pragma unroll
-      for (int i = 0; i < T::kScores; ++i) p[j][i] = ex2(s[j][i]);
-    }
-    accumulate_pv<D, W, F16PV>(st, p, cur, lut_v, even_g);
+    softmax_pv(cur, s);
     c = cn;
     return c < nchunks;
   };
@@ -1184,11 +1194,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
         kv.template prefetch_chunk<T::kChunk>(tile_at(c + (2 + prefetch) * kWarps, 0), last);
       float s[T::kTiles][T::kScores];
       tile_scores<D, W, MODE>(s, bufa, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row(g), st.mu);
-      update_max<D, W, F16PV>(st, s);
-      float p[T::kTiles][T::kScores];
-#pragma unroll
-      for (int i2 = 0; i2 < T::kScores; ++i2) p[0][i2] = ex2(s[0][i2]);
-      accumulate_pv<D, W, F16PV>(st, p, bufa, lut_v, even_g);
+      softmax_pv(bufa, s);
     }
   } else {
     while (c < nchunks && step(bufa, bufb) && step(bufb, bufa)) {

@@ -1,6 +1,6 @@
 // Bulk copies global -> shared memory by the Hopper copy engine (cp.async.bulk, no tensor map), completed on an
-// mbarrier that counts the bytes. sm_90+ only: the bodies compile to a trap before sm_90 (callers build them only
-// for sm_90 launches).
+// mbarrier that counts the bytes. sm_90+ only: before sm_90 the bodies compile to a trap (fence_barrier_init to
+// nothing); callers build them only for sm_90 launches.
 #ifndef FQ_TILE_COPY_CUH
 #define FQ_TILE_COPY_CUH
 

@@ -72,7 +72,7 @@ def test_gqa_groups_pick_their_head_slots(group, heads, units, monkeypatch):
     assert pd.head_slots(group) == 8
 
 
-@pytest.mark.parametrize("capability", [(8, 0), (9, 0)])
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0), (12, 0)])
 @pytest.mark.parametrize("log2_bs", [None, 3, 4, 6])
 @pytest.mark.parametrize("heads", [4, 8])
 def test_build_options_per_block_size_and_staged_tiles(capability, log2_bs, heads, monkeypatch):
@@ -85,10 +85,19 @@ def test_build_options_per_block_size_and_staged_tiles(capability, log2_bs, head
     options = pd.build_options(mode, heads, log2_bs, 128, 0)
     assert (pd.PAIRED_OPTION in options) == (heads == 4)
     assert (f"-DFQD_PAGED_LOG2_BS={log2_bs}" in options) == (log2_bs is not None)
-    staged = log2_bs == 4 and capability >= (9, 0)
+    staged = log2_bs == 4 and capability[0] == 9  # sm_90 only (later parts may not give a CTA 105 KB)
     assert all(o in options for o in pd.TMA_OPTIONS) == staged
     assert pd.staged_tile_bytes(options, 128, 8) == (8 * 2 * (16 * 136 + 8) if staged else 0)
     assert pd.staged_tile_bytes(options, 128, 4) == 0
     assert pd.TMA_OPTION not in pd.build_options(mode, heads, log2_bs, 256, 0)  # head_dim 256 runs 4-warp CTAs
     monkeypatch.setattr(pd, "TMA_TILES", False)
     assert pd.TMA_OPTION not in pd.build_options(mode, heads, log2_bs, 128, 0)
+
+
+def test_build_options_refuse_experiment_options_the_host_sizes_by(monkeypatch):
+    """Head slots and staged tiles change the grid and the shared memory the host plans: not as raw NVRTC options."""
+    monkeypatch.setattr(pd.loader, "device_capability", lambda index: (9, 0))
+    for option in ("-DFQD_HEAD_SLOTS=4", "-DFQD_TMA_TILES"):
+        monkeypatch.setattr(pd, "KERNEL_OPTIONS", (option,))
+        with pytest.raises(ValueError, match="FQD_HEAD_SLOTS or FQD_TMA_TILES"):
+            pd.build_options(pd.MODE_PAGED, 4, 4, 128, 0)

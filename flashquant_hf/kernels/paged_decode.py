@@ -75,9 +75,10 @@ KERNEL_OPTIONS: tuple[str, ...] = tuple(os.environ.get("FQ_DECODE_NVRTC_OPTIONS"
 SLOT_FACTOR = 1.0  # planned CTA slots = SMs x resident CTAs x SLOT_FACTOR
 # How much faster an SM's first resident CTA runs than its second (the schedulers favour older warps): when a plan's
 # CTAs fill between one and two per SM, the splits the first places take (the kernel numbers CTAs split-major) get
-# this much longer key ranges than the others, so both places finish together. 1.0: equal splits. H200: 1.09 for the
-# 8-slot build (version 11), 1.17 for the paired one, whose first places end ~3 us early at 1.09 (version 13).
+# this much longer key ranges than the others, so both places finish together. 1.0: equal splits. H200: 1.17 for the
+# paired build, whose first places ended ~3 us early at 1.09 (version 13); 1.09 for the 8-slot build (version 11).
 FIRST_PLACE_SPEEDUP = float(os.environ.get("FQ_DECODE_FIRST_PLACE_SPEEDUP", "1.17"))
+FIRST_PLACE_SPEEDUP_8_SLOTS = 1.09
 OVERHEAD_KEYS = 128  # per-CTA start/merge cost, in keys of streaming
 PARTIAL_KEYS = 64  # cost of writing + merging one partial result, in keys
 # Launch through cached cuLaunchKernel parameter arrays (kernels.loader.launch_cached) instead of CuPy's per-argument
@@ -96,7 +97,8 @@ CLUSTER_MERGE = os.environ.get("FQ_DECODE_CLUSTER_MERGE", "0") == "1"
 CLUSTER_MERGE_OPTION = "-DFQD_CLUSTER_MERGE=1"
 MAX_CLUSTER_SPLITS = 8  # the portable cluster size
 # Builds besides the plain one, compiled by tests/test_cuda_compile.py: the paired build with staged tiles for blocks
-# of 16 keys also stands for the other paged block-size builds (the macro only fixes the shift).
+# of 16 keys (paged; its contiguous instantiations are the paired register-load ones). The paged builds for other
+# block sizes differ from the plain one only by a constant shift.
 VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,), (PAIRED_OPTION, "-DFQD_PAGED_LOG2_BS=4", *TMA_OPTIONS))
 NULL = np.uint64(0)
 LOG2E = 1.4426950408889634
@@ -116,11 +118,15 @@ def block_size_option(log2_block_size: int) -> str:
 def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: int, device_index: int) -> tuple[str, ...]:
     """NVRTC options of the decode build a launch uses: the experiment options, the paired build for 4 head slots
     (``heads``), the paged build for its block size, and staged tiles where they apply (see TMA_TILES)."""
+    if any(o.startswith(("-DFQD_HEAD_SLOTS", "-DFQD_TMA_TILES")) for o in KERNEL_OPTIONS):
+        raise ValueError("KERNEL_OPTIONS must not set FQD_HEAD_SLOTS or FQD_TMA_TILES (the host sizes grids and shared "
+                         "memory by them): use PAIRED_HEADS / TMA_TILES")
     options = KERNEL_OPTIONS + ((PAIRED_OPTION,) if heads == 4 else ())
     if mode == MODE_PAGED and log2_block_size is not None:
         options += (block_size_option(log2_block_size),)
-        if (TMA_TILES and log2_block_size == 4 and warps_for(head_dim) == 8
-                and loader.device_capability(device_index) >= (9, 0)):
+        # sm_90 only: the stages need 105 KB of shared memory per CTA at D = 128, more than some later parts allow
+        sm90 = loader.device_capability(device_index)[0] == 9
+        if TMA_TILES and log2_block_size == 4 and warps_for(head_dim) == 8 and sm90:
             options += TMA_OPTIONS
     return options
 
@@ -174,7 +180,7 @@ def _prepared_kernel(name: str, device_index: int, options: tuple[str, ...] = ()
     smem = LUT_BYTES + MAX_PAGE_BYTES + 16 + staged_tile_bytes(options, head_dim, warps)
     kernel.max_dynamic_shared_size_bytes = smem
     try:
-        kernel.preferred_shared_memory_carveout = 100  # 2-3 CTAs x ~69 KB need the largest carveout
+        kernel.preferred_shared_memory_carveout = 100  # 2-3 CTAs x ~69 KB (staged tiles: 2 x ~103 KB) need it all
     except Exception:  # an older CuPy without the attribute: the driver picks
         pass
     try:  # what the driver will actually co-schedule (registers, shared memory, carveout)
@@ -292,7 +298,7 @@ def clear_caches() -> None:
 def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tuple[int, int, int],
                 rows: int, length: int, log2_block_size: int | None, heads: int) -> _Launch:
     key = (mode, head_dim, query_kind, index, units, rows, length, log2_block_size, heads, WARPS, SLOT_FACTOR,
-           FIRST_PLACE_SPEEDUP, KERNEL_OPTIONS, CLUSTER_MERGE, TMA_TILES, PREFETCH_CHUNKS, TMA_PREFETCH_CHUNKS,
+           FIRST_PLACE_SPEEDUP, FIRST_PLACE_SPEEDUP_8_SLOTS, KERNEL_OPTIONS, CLUSTER_MERGE, TMA_TILES, PREFETCH_CHUNKS, TMA_PREFETCH_CHUNKS,
            CONTIGUOUS_PREFETCH_CHUNKS)
     found = _LAUNCHES.get(key)
     if found is not None:
@@ -305,7 +311,7 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tu
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
     if not CLUSTER_MERGE:  # (a cluster launch numbers its CTAs x = split, see the kernel)
         plan = balance_places(plan, batch * kv_heads * head_groups, length, _sm_count(index), ctas_per_sm,
-                              log2_block_size)
+                              log2_block_size, FIRST_PLACE_SPEEDUP if heads == 4 else FIRST_PLACE_SPEEDUP_8_SLOTS)
     staged = staged_tile_bytes(options, head_dim, warps)
     if staged:
         plan = dataclasses.replace(plan, shared_mem=plan.shared_mem + staged)
