@@ -197,10 +197,10 @@ def _scaling(pd, c, scale, dev, options_list):
 
 
 def _timeline(pd, c, scale, dev, options_list, paged=False):
-    """Per-CTA phases of the contiguous (``paged``: paged) decode from a -DFQD_TIMELINE=1 build (merge kernel path): CTA entry, the
-    grid-dependency wait, the prologue (to the barrier after the table build), each warp's loop, the spread of the
-    warps' loop ends within a CTA, the epilogue, and when CTAs end (lone CTAs: alone on their SM). In us from the
-    grid's first entry; min / median / p90 / max over CTAs (warps for the loop)."""
+    """Per-CTA phases of the contiguous (``paged``: paged) decode from a -DFQD_TIMELINE=1 build (merge kernel path):
+    CTA entry, the grid-dependency wait, the prologue (to the barrier after the table build), each warp's loop, the
+    spread of the warps' loop ends within a CTA, the epilogue, and when CTAs end (lone CTAs: alone on their SM). In
+    us from the grid's first entry; min / median / p90 / max over CTAs (warps for the loop)."""
     default_options, default_cluster = pd.KERNEL_OPTIONS, pd.CLUSTER_MERGE
 
     def quantiles(x):

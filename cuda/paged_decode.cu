@@ -686,7 +686,7 @@ __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][Tra
     }
     const float kn[2] = {tiles[j].kn[0] * scale_log2, tiles[j].kn[1] * scale_log2};
     // Score i is row i / kCols (key kr, kr + 8) of column i % kCols. With 4 head slots a head's score is the sum of
-    // its two columns (the halves of the contraction, see load_queries).
+    // its two columns (the halves of the contraction, see the query load in the kernel).
     // Scores leave shifted by the running max (mu, per head column), which update_max corrects when it moves, so
     // the subtraction before exp2 rides on this FFMA.
 #pragma unroll
@@ -758,8 +758,9 @@ __device__ __forceinline__ void update_max(WarpState<D>& st, float (&s)[Traits<D
   }
 }
 
-// The A operand of O^T = V^T P^T for m-tile dims from the merged value words: xv / yv hold, per byte, the high / low
-// nibbles of the two keys of an A register (see accumulate_pv); byte q of the lane's value slice is dims 2q, 2q+1.
+// The A operand of O^T = V^T P^T for m-tile dims from the merged value words: `w` (x or y) holds, per byte, the
+// high / low nibbles of the two keys of an A register (see accumulate_pv); byte q of the lane's value slice is dims
+// 2q, 2q+1.
 template <int D>
 __device__ __forceinline__ u32 value_pair(const Lut& lut_v, const u32 (&w)[Traits<D>::kVWords], int q) {
 #if FQD_ABLATE & 16
@@ -774,7 +775,8 @@ __device__ __forceinline__ u32 value_pair(const Lut& lut_v, const u32 (&w)[Trait
 }
 
 template <int D, int W, bool F16PV>
-__device__ __forceinline__ void accumulate_pv(WarpState<D>& st, const float (&p)[Traits<D, W>::kTiles][Traits<D>::kScores],
+__device__ __forceinline__ void accumulate_pv(WarpState<D>& st,
+                                              const float (&p)[Traits<D, W>::kTiles][Traits<D>::kScores],
                                               const Tile<D> (&tiles)[Traits<D, W>::kTiles], const Lut& lut_v,
                                               u32 even_g) {
   using T = Traits<D, W>;
@@ -1216,7 +1218,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 #if FQD_ABLATE & 4
   if constexpr (!kClusterMerge) {  // (a cluster must reach its barriers)
     if (warp == 0 && g == 0) {
-      const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + (T::kCols * t) % nh;
+      const long long row =
+          static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + (T::kCols * t) % nh;
       for (int m = 0; m < T::kPVTiles; ++m) part_out[row * D + 2 * m] = st.acc[m][0] / st.l[0];
       part_lse[row] = st.running_max(0);
     }

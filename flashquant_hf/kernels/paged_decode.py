@@ -115,7 +115,8 @@ def block_size_option(log2_block_size: int) -> str:
     return f"-DFQD_PAGED_LOG2_BS={log2_block_size}"
 
 
-def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: int, device_index: int) -> tuple[str, ...]:
+def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: int,
+                  device_index: int) -> tuple[str, ...]:
     """NVRTC options of the decode build a launch uses: the experiment options, the paired build for 4 head slots
     (``heads``), the paged build for its block size, and staged tiles where they apply (see TMA_TILES)."""
     if any(o.startswith(("-DFQD_HEAD_SLOTS", "-DFQD_TMA_TILES")) for o in KERNEL_OPTIONS):
@@ -298,8 +299,8 @@ def clear_caches() -> None:
 def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tuple[int, int, int],
                 rows: int, length: int, log2_block_size: int | None, heads: int) -> _Launch:
     key = (mode, head_dim, query_kind, index, units, rows, length, log2_block_size, heads, WARPS, SLOT_FACTOR,
-           FIRST_PLACE_SPEEDUP, FIRST_PLACE_SPEEDUP_8_SLOTS, KERNEL_OPTIONS, CLUSTER_MERGE, TMA_TILES, PREFETCH_CHUNKS, TMA_PREFETCH_CHUNKS,
-           CONTIGUOUS_PREFETCH_CHUNKS)
+           FIRST_PLACE_SPEEDUP, FIRST_PLACE_SPEEDUP_8_SLOTS, KERNEL_OPTIONS, CLUSTER_MERGE, TMA_TILES, PREFETCH_CHUNKS,
+           TMA_PREFETCH_CHUNKS, CONTIGUOUS_PREFETCH_CHUNKS)
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
@@ -493,6 +494,7 @@ def paged_decode(
         np.int64(blocks.stride(0)), layout.log2_block_size, 0,
     )
     run_decode(
-        MODE_PAGED, q_rot, tuple(q_rot.stride()), tensor_args, num_seqs, kv_heads, group, max_len, (k_centroids, v_centroids), float(scale), out, lse, layout.log2_block_size,
+        MODE_PAGED, q_rot, tuple(q_rot.stride()), tensor_args, num_seqs, kv_heads, group, max_len,
+        (k_centroids, v_centroids), float(scale), out, lse, layout.log2_block_size,
     )
     return out, lse

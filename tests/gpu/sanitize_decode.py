@@ -52,7 +52,8 @@ def main() -> None:
     for block_size in (8, 16, 32, 64):  # the general page path (8) and the whole-tile one (>= 16)
         out, lse, blocks, table, lens = paged_case(q, c, block_size)
         assert torch.isfinite(out).all(), f"block size {block_size}"
-    q8 = torch.randn(3, 16, 128, device=dev, dtype=torch.bfloat16)  # GQA 8: the 8-slot build (GQA 4 runs the paired one)
+    # GQA 8: the 8-slot build (GQA 4 above runs the paired one)
+    q8 = torch.randn(3, 16, 128, device=dev, dtype=torch.bfloat16)
     assert torch.isfinite(paged_case(q8, c, 16)[0]).all()
     k = torch.randint(0, 256, (2, 2, 900, 64), dtype=torch.uint8, device=dev)[:, :, :777]
     v = torch.randint(0, 256, (2, 2, 777, 64), dtype=torch.uint8, device=dev)

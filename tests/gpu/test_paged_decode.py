@@ -270,8 +270,8 @@ def test_paged_decode_balanced_places(monkeypatch, poison):
     pd.clear_caches()
 
 
-@pytest.mark.parametrize("options", [("-DFQD_KEY_PERMUTE=0",), ("-DFQD_BULK_PREFETCH=0",), ("-DFQD_RED_SWIZZLE_PAGED=1",),
-                                     ("-DFQD_RESCALE_SLACK=0.f",)])
+@pytest.mark.parametrize("options", [("-DFQD_KEY_PERMUTE=0",), ("-DFQD_BULK_PREFETCH=0",),
+                                     ("-DFQD_RED_SWIZZLE_PAGED=1",), ("-DFQD_RESCALE_SLACK=0.f",)])
 def test_paged_decode_layout_hooks(options, monkeypatch):
     """The plain key order, the per-lane L2 prefetch, the swizzled reduction (the A/B alternatives of version 11) and
     a rescale at every new max (version 12) stay correct: ragged sequences, block sizes 8 and 32, L2 prefetch on."""
