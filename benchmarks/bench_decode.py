@@ -184,53 +184,6 @@ def _plan(pd, index, batch, keys, log2_bs):
                           log2_bs, pd.head_slots(group)).plan
 
 
-def _sweep_cluster_merge(pd, record, paged_fn, c, scale, dev) -> None:
-    """Split merge inside a thread-block cluster (``CLUSTER_MERGE``) vs the merge kernel, GPU time on the three
-    paged configurations and the contiguous B=8/N=32K, B=4/N=4K and B=1/N=1K (both recorded; the library default
-    is restored). Shapes whose plan has one split, more than ``MAX_CLUSTER_SPLITS`` or more clusters than the
-    device co-schedules run the same code in both columns."""
-    default = pd.CLUSTER_MERGE
-    times = {False: {}, True: {}}
-
-    def measure(tag, fn, sets):
-        for clustered in (False, True, False, True):  # interleaved twice: drift hits both alike
-            pd.CLUSTER_MERGE = clustered
-            pd.clear_caches()
-            ms = _gpu_ms(fn, sets, reps=15)
-            times[clustered][tag] = min(ms, times[clustered].get(tag, math.inf))
-        setup = next(iter(pd._LAUNCHES.values()))  # the clustered run's launch
-        record(f"decode_cluster_size_{tag}", setup.cluster, "CTAs")
-        if 1 < setup.plan.splits <= pd.MAX_CLUSTER_SPLITS:
-            from flashquant_hf.kernels import loader
-
-            active = loader.max_active_clusters(setup.kernel_ptr, setup.plan.splits, setup.grid, setup.threads,
-                                                setup.plan.shared_mem, torch.cuda.current_device())
-            print(f"    {tag}: {setup.plan.splits} splits, cluster {setup.cluster}, {setup.grid[1] * setup.grid[2]} "
-                  f"units, clusters of that size the device co-schedules: {active}")
-
-    for batch, keys, tag, _ in CONFIGS:
-        sets = _paged_sets(batch, keys, BLOCK_SIZE, dev)
-        measure(tag, paged_fn(keys), sets)
-        del sets
-        torch.cuda.empty_cache()
-    for batch, keys in ((8, 32768), (4, 4096), (1, 1024)):  # short contexts: few units, <= 8 splits
-        sets = _contiguous_query_sets(batch, keys, dev)
-        measure(f"contiguous_b{batch}_n{keys // 1024}k", _contiguous_decode(c, scale), sets)
-        del sets
-        torch.cuda.empty_cache()
-    for clustered, by_tag in times.items():
-        for tag, ms in by_tag.items():
-            record(f"decode_sweep_ms_{tag}_{'cluster_merge' if clustered else 'merge_kernel'}", ms, "ms")
-    score = {clustered: sum(math.log(ms) for ms in by_tag.values()) for clustered, by_tag in times.items()}
-    pd.CLUSTER_MERGE = default
-    pd.clear_caches()
-    print("    cluster merge sweep (us): " + " ".join(
-        f"{tag}:{times[False][tag] * 1e3:.1f}->{times[True][tag] * 1e3:.1f}" for tag in times[False]))
-    # Geometric-mean time ratio cluster / merge kernel (< 1: the cluster merge is faster); the headline rows below
-    # use the library default, so they describe what the code does.
-    record("decode_cluster_merge_time_ratio", math.exp((score[True] - score[False]) / len(times[False])), "ratio")
-
-
 def run(record) -> None:
     import flashquant_hf.kernels.paged_decode as pd
     from flashquant_hf.kernels.split_k import launch_merge
@@ -246,9 +199,14 @@ def run(record) -> None:
         return lambda s: pd.paged_decode(s[3], s[0], s[1], s[2], c, c, 4, 4, scale, block_size, keys)
 
     # Sweep: warps per CTA x L2 prefetch distance, GPU time, on every config; keep the best geometric mean.
+    log2_bs = BLOCK_SIZE.bit_length() - 1
     for warps in pd.WARP_CHOICES:
-        kernel, resident = pd._prepared_kernel(pd.kernel_name(HEAD_DIM, 1, pd.MODE_PAGED, warps), index)
-        print(f"    W={warps}: resident CTAs/SM {resident}, regs {kernel.num_regs}, SMs {pd._sm_count(index)}")
+        _set_tuning(pd, warps, pd.PREFETCH_CHUNKS)
+        group = Q_HEADS // KV_HEADS
+        setup = pd._launch_for(pd.MODE_PAGED, HEAD_DIM, 1, index, pd.units_shape(8, KV_HEADS, group), 8 * Q_HEADS,
+                               32768, log2_bs, pd.head_slots(group))
+        sms = pd._sm_count(index)
+        print(f"    W={warps}: resident CTAs/SM {setup.plan.slots // sms}, regs {setup.kernel.num_regs}, SMs {sms}")
     grid = [(w, p) for w in pd.WARP_CHOICES for p in (0, 1, 2)]
     scores = {key: 0.0 for key in grid}
     for batch, keys, tag, _ in CONFIGS:
@@ -267,14 +225,6 @@ def run(record) -> None:
     print(f"    chosen: WARPS={best_warps}, PREFETCH_CHUNKS={best_prefetch}")
     record("decode_tuned_warps", best_warps, "warps")
     record("decode_tuned_prefetch_chunks", best_prefetch, "chunks")
-    default_merge = pd.CLUSTER_MERGE
-    try:  # an experiment: a failure must not cost the headline rows below
-        _sweep_cluster_merge(pd, record, paged_fn, c, scale, dev)
-    except Exception as error:  # noqa: BLE001
-        print(f"    cluster merge sweep failed: {error!r}")
-        record("decode_cluster_merge_failed", 1, "error")
-    pd.CLUSTER_MERGE = default_merge
-    pd.clear_caches()
 
     sdpa_b8 = None
     for batch, keys, tag, target in CONFIGS:
@@ -285,7 +235,7 @@ def run(record) -> None:
         wall = _time_per_call(paged, sets)
         cpu_us = _cpu_us_per_call(paged, sets)
         sdpa, sdpa_wall, variant, all_sdpa = _sdpa_ms(batch, keys, dev)
-        plan = _plan(pd, index, batch, keys, BLOCK_SIZE.bit_length() - 1)
+        plan = _plan(pd, index, batch, keys, log2_bs)
         print(f"    {tag}: plan {plan}, sdpa {all_sdpa} -> {variant}")
         record(f"paged_decode_ms_{tag}", ms, "ms")
         record(f"sdpa_decode_ms_{tag}", sdpa, "ms")

@@ -1,18 +1,16 @@
-// Thread-block clusters (sm_90+): rank, size, distributed shared memory and the cluster barrier. Below sm_90 a
-// kernel is never launched as a cluster: size() is 1 there and the other helpers trap if reached.
+// Thread-block clusters (sm_90+): rank, distributed shared memory stores and the cluster barrier, for kernels with
+// compile-time __cluster_dims__ (FQ_CLUSTER_DIMS). Below sm_90 no cluster kernel is launched: the helpers trap.
 #ifndef FQ_CLUSTER_CUH
 #define FQ_CLUSTER_CUH
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define FQ_CLUSTER_DIMS(n)
 __device__ __forceinline__ unsigned int cluster_rank() { __trap(); return 0; }
-__device__ __forceinline__ unsigned int cluster_size() { return 1; }
 __device__ __forceinline__ unsigned int cluster_map(unsigned int, unsigned int) { __trap(); return 0; }
 __device__ __forceinline__ void st_cluster_v4(unsigned int, unsigned int, unsigned int, unsigned int, unsigned int) {
   __trap();
 }
 __device__ __forceinline__ void st_cluster_f32(unsigned int, float) { __trap(); }
-__device__ __forceinline__ float ld_cluster_f32(unsigned int) { __trap(); return 0.f; }
 __device__ __forceinline__ void cluster_arrive() { __trap(); }
 __device__ __forceinline__ void cluster_wait() { __trap(); }
 #else
@@ -21,12 +19,6 @@ __device__ __forceinline__ unsigned int cluster_rank() {
   unsigned int r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
-}
-// CTAs in this CTA's cluster: 1 for an ordinary launch.
-__device__ __forceinline__ unsigned int cluster_size() {
-  unsigned int n;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-  return n;
 }
 // shared::cluster address of shared::cta address `addr` in the CTA of rank `rank`.
 __device__ __forceinline__ unsigned int cluster_map(unsigned int addr, unsigned int rank) {
@@ -41,11 +33,6 @@ __device__ __forceinline__ void st_cluster_v4(unsigned int addr, unsigned int x,
 }
 __device__ __forceinline__ void st_cluster_f32(unsigned int addr, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
-}
-__device__ __forceinline__ float ld_cluster_f32(unsigned int addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
 }
 // Every thread of every CTA of the cluster must arrive; release / acquire order the shared-memory accesses.
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }

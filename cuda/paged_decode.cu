@@ -35,8 +35,13 @@
 // MODE 0 contiguous, 1 contiguous + key_bias, 2 paged (paged and contiguous differ only in address computation),
 // W warps per CTA: 4 (two 16-key tiles per warp iteration, 168 registers, 3 CTAs per SM) or 8 (D <= 128 only: one
 // tile per iteration in <= 128 registers, 2 CTAs x 8 warps per SM sharing one pair of tables per CTA).
+//
+// Build switches (NVRTC -D options; kernels/decode_launch.py build_options picks them per launch):
+//   FQD_HEAD_SLOTS     8 (default), 4   query heads per CTA; 4 for GQA groups of at most 4 heads (the paired build)
+//   FQD_PAGED_LOG2_BS  3, 4, 5, 6       paged builds (MODE 2): log2 of the paged block size, so the page arithmetic
+//                                       is constant shifts; the contiguous modes ignore it
+//   FQD_TMA_TILES      0 (default), 1   staged tiles: paged blocks of 16 keys, 8 warps, compute capability 9.x
 
-#include "cluster.cuh"
 #include "grid_dependency.cuh"
 #include "tile_copy.cuh"
 
@@ -57,53 +62,17 @@ constexpr int kPagesOffset = kLutSlack + 2 * kLutBytes;
 
 enum { kQHalf = 0, kQBf16 = 1, kQFloat = 2 };
 enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
-// Independent accumulators of S^T = K Q^T (k-steps round-robin); 0 picks per build: 2 with 4 head slots (the
-// registers it frees pay for the second chain: 1-2 % faster on the H200, version 13), 1 with 8 (2 measured slower
-// there in versions 10-12, 4 in version 4).
-#ifndef FQD_QK_CHAINS
-#define FQD_QK_CHAINS 0
-#endif
-// The split merge in a thread-block cluster (merge_in_cluster) instead of a merge kernel; the host builds this
-// variant only for launches whose splits form one cluster (sm_90+, at most 8 splits).
-#ifndef FQD_CLUSTER_MERGE
-#define FQD_CLUSTER_MERGE 0
-#endif
-// Resident 8-warp CTAs per SM the register budget is cut for (launch bounds): 2 -> 128 registers (16 warps/SM);
-// 3 -> 80 registers (24 warps/SM, fits the shared memory of the contiguous modes, experiment of version 5).
-#ifndef FQD_MIN_BLOCKS_W8
-#define FQD_MIN_BLOCKS_W8 2
-#endif
-// Swizzled columns in the cross-warp reduction's shared arrays (red_col), so the epilogue's float2 stores of the
-// O^T fragments do not conflict (plain layout: 16-way at head_dim 128). Contiguous layouts: 2 us faster per call
-// on the H200; the paged build measured 1.3 us slower with it (ptxas schedules its loop differently), so off there.
-#ifndef FQD_RED_SWIZZLE_CONTIGUOUS
-#define FQD_RED_SWIZZLE_CONTIGUOUS 1
-#endif
-#ifndef FQD_RED_SWIZZLE_PAGED
-#define FQD_RED_SWIZZLE_PAGED 0
-#endif
-// Key order inside a 16-key tile (key_row / value_row): 1 lets a warp's value loads cover whole consecutive rows
-// (half the L1 wavefronts); 0 is the plain order (A/B hook); 2 is the order of the staged tiles' shared-memory reads
-// (see key_row; the host passes it with FQD_TMA_TILES).
-#ifndef FQD_KEY_PERMUTE
-#define FQD_KEY_PERMUTE 1
-#endif
-// Paged L2 prefetch as cp.async.bulk.prefetch of whole sections, issued by one lane (sm_90; the copy engine walks
-// the bytes, not the LSU pipe); 0: one prefetch.global.L2 per key and section from every lane (A/B hook).
-#ifndef FQD_BULK_PREFETCH
-#define FQD_BULK_PREFETCH 1
-#endif
-// How far (log2 units) a score may exceed the running max before the accumulators are rescaled to it (bf16 P V only:
-// P then reaches 2^slack, which bf16 holds at full precision; fp16 P V, whose P * value norm must stay in fp16 range,
-// rescales at every new max). Fewer steps take the rescale path (docs/kernels_decode.md, version 12).
-#ifndef FQD_RESCALE_SLACK
-#define FQD_RESCALE_SLACK 8.f
-#endif
 
 // Query-head slots per CTA: 8 (the n = 8 columns of the mma are heads) or 4 (GQA <= 4: the columns are (head, half)
 // pairs, so every lane scores one head and O^T takes 16 instead of 32 accumulator registers; see accumulate_pv).
 #ifndef FQD_HEAD_SLOTS
 #define FQD_HEAD_SLOTS 8
+#endif
+
+// Paged builds are made for one block size (log2; the host passes it, see decode_launch.block_size_option), so the
+// page arithmetic folds to constant shifts and the other sizes' paths go.
+#ifndef FQD_PAGED_LOG2_BS
+#define FQD_PAGED_LOG2_BS 0
 #endif
 
 // Paged builds for blocks of 16 keys on sm_90 (8 warps): each 16-key tile (one block's 16 (D + 8) bytes of a head)
@@ -113,30 +82,16 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #define FQD_TMA_TILES 0
 #endif
 
-// Paged builds are made for one block size (log2; the host passes it, see paged_decode.block_size_option), so the page
-// arithmetic folds to constant shifts and the other sizes' paths go; 0: any block size, read from the launch.
-#ifndef FQD_PAGED_LOG2_BS
-#define FQD_PAGED_LOG2_BS 0
-#endif
-
-// Timing ablations only (wrong results): bit 1 skips the table build, bit 2 the query load, bit 4 the cross-warp
-// reduction (warp 0 writes its own state), bit 8 returns at once (the launch alone), bit 16 the value lookups' shared
-// loads (the PRMT result stands in), bit 32 the value loads (the key words stand in; the bytes still reach L2).
-#ifndef FQD_ABLATE
-#define FQD_ABLATE 0
-#endif
-// Timing diagnostic only (wrong results; not with FQD_CLUSTER_MERGE): instead of its partial output, every CTA writes
-// per-warp %globaltimer stamps (entry, after the grid-dependency wait, loop start, loop end, exit) and its SM id as
-// 8 uint64 per warp at ((linear CTA index) * W + warp) * 8 of part_out (benchmarks read them back).
-#ifndef FQD_TIMELINE
-#define FQD_TIMELINE 0
-#endif
-
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
+// Whether an instantiation stages its tiles: FQD_TMA_TILES applies to the paged 8-warp kernels for blocks of 16 keys.
+template <int MODE, int W>
+__host__ __device__ constexpr bool staged_tiles() {
+  return FQD_TMA_TILES && MODE == kPaged && FQD_PAGED_LOG2_BS == 4 && W == 8;
 }
+
+// How far (log2 units) a score may exceed the running max before the accumulators are rescaled to it (bf16 P V only:
+// P then reaches 2^slack, which bf16 holds at full precision; fp16 P V, whose P * value norm must stay in fp16 range,
+// rescales at every new max). Fewer steps take the rescale path.
+constexpr float kRescaleSlack = 8.f;
 
 enum { kPartK = 1, kPartV = 2, kPartKV = 3 };  // which half of a tile a load fetches
 
@@ -154,7 +109,8 @@ struct Traits {
   // 16-key tiles per warp iteration: 2 need ~168 registers (D = 256: spills), so 8-warp CTAs take 1.
   static constexpr int kTiles = (D == 256 || W == 8) ? 1 : 2;
   static constexpr int kChunk = 16 * kTiles;
-  static constexpr int kMinBlocks = W == 8 ? FQD_MIN_BLOCKS_W8 : (D == 256 ? 2 : 3);
+  // Resident CTAs per SM the register budget is cut for (launch bounds): 8-warp CTAs 2 (128 registers).
+  static constexpr int kMinBlocks = W == 8 ? 2 : (D == 256 ? 2 : 3);
   // Head slots of a CTA (8: mma column = head; 4: column 2h + j = half j of head h) and what a lane holds of them:
   // kCols head columns (2t, 2t+1 or t), kScores scores per tile, kPVTiles O^T m-tiles of 4 accumulators.
   static constexpr int kHeadSlots = FQD_HEAD_SLOTS;
@@ -302,14 +258,11 @@ __device__ __forceinline__ void load_query4(float (&x)[4], const void* q, long l
 // e * 256 + tab * 128 + l * 4 of the table block (bank = lane, no conflicts), so the offset of an entry is the
 // lane's constant (l * 4 + tab * 128, byte 0) with the entry in byte 1: one PRMT builds it from the packed word,
 // and the block's fixed shared-window address (kLutWindow) is the LDS immediate. A lookup costs 1 ALU + 1 LDS
-// (version 3: byte extract + IMAD + LDS; with the base in a register, ptxas adds an IMAD.IADD per lookup).
-// In a cluster launch a CTA's shared::cta addresses also carry its window's place in the cluster (above bit 16):
-// those bits (`window_high`, 0 otherwise) go into the lane constant, which PRMT leaves in bytes 2 and 3.
+// (a byte extract and a base register would add an IMAD and an IMAD.IADD per lookup).
 struct Lut {
-  u32 lane;  // window_high + l * 4 + tab * 128
+  u32 lane;  // l * 4 + tab * 128
 
-  __device__ __forceinline__ Lut(int lane_id, int tab, u32 window_high)
-      : lane(window_high + static_cast<u32>(lane_id) * 4u + tab * 128u) {}
+  __device__ __forceinline__ Lut(int lane_id, int tab) : lane(static_cast<u32>(lane_id) * 4u + tab * 128u) {}
 
   template <int K>
   __device__ __forceinline__ u32 get(u32 w) const {
@@ -325,17 +278,16 @@ struct Lut {
 // Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
 // (a 16-byte store fills 4 lanes' copies), at the fixed window address kLutWindow. Lane l holds centroid l (keys)
 // or l - 16 (values) and the entries come from shuffles: one global load per lane instead of two per entry.
-template <bool F16PV, int kThreads, bool kCluster>
+template <bool F16PV, int kThreads>
 __device__ __forceinline__ void build_tables(unsigned char* smem, float centroid) {
-  // low bits: the CTA window (in a cluster launch the bits above 16 place it in the cluster, see Lut)
-  const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & (kCluster ? 0xFFFFu : 0xFFFFFFu);
+  const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFFFFu;
   if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
   unsigned char* const table = smem + (kLutWindow - window);
   // Each thread forms one (table, entry) value from two shuffles and stores its 8 16-byte copies (4 lanes' each),
-  // starting at copy (thread & 7) so the 8 lanes of a store phase cover all banks. (Version 12 and earlier: one
-  // 16-byte store and two shuffles per loop iteration, 16 of them per thread; 1-3 us slower per call.)
+  // starting at copy (thread & 7) so the 8 lanes of a store phase cover all banks (two shuffles per stored value
+  // rather than per 16-byte store).
   const int rot = threadIdx.x & 7;
-  for (int i = threadIdx.x; i < 2 * 256 && (FQD_ABLATE & 1) == 0; i += kThreads) {
+  for (int i = threadIdx.x; i < 2 * 256; i += kThreads) {
     // i advances by whole warps, so the warp is converged at the shuffles.
     const int tab = i >> 8, e = i & 255;
     const float hi = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e >> 4));
@@ -350,20 +302,22 @@ __device__ __forceinline__ void build_tables(unsigned char* smem, float centroid
 // Both products may take the keys of a tile in any order, as long as S^T's rows (keys in QK, then P^T's rows after
 // the transpose) and V^T's columns agree. Row i of S^T is key key_row(i): lane (g, t) scores keys key_row(g) and
 // key_row(g) + 8, and its V^T columns 2t, 2t+1, 2t+8, 2t+9 are the keys of S^T rows 2t, 2t+1, 2t+8, 2t+9, i.e.
-// value_row(0..3, t). With FQD_KEY_PERMUTE, key_row(2u) = u and key_row(2u + 1) = u + 4, so value_row(i, t) =
-// t + 4i: the 8 lanes sharing t read one whole value row each, and the four t of one load read rows t..t+3 (two
-// 128-byte lines, against four half-used lines for rows 2t in the plain order); the key loads still cover rows
-// 0-7 / 8-15 whole.
-// FQD_KEY_PERMUTE=2 (builds with staged tiles, whose loads come from shared memory): key_row(g) = g ^ (g >> 1 & 1),
-// so the two rows of one 16-byte key load phase (g = 2u, 2u + 1) are an odd number of 64-byte rows apart (no bank
-// conflict) and each value load phase reads two even and two odd rows (two-way instead of four-way).
+// value_row(0..3, t). Register loads from global memory (STAGED false): key_row(2u) = u and key_row(2u + 1) = u + 4,
+// so value_row(i, t) = t + 4i: the 8 lanes sharing t read one whole value row each, and the four t of one load read
+// rows t..t+3 (two 128-byte lines, against four half-used lines for rows 2t in the plain order); the key loads still
+// cover rows 0-7 / 8-15 whole.
+// Staged tiles (STAGED, loads from shared memory): key_row(g) = g ^ (g >> 1 & 1), so the two rows of one 16-byte key
+// load phase (g = 2u, 2u + 1) are an odd number of 64-byte rows apart (no bank conflict) and each value load phase
+// reads two even and two odd rows (two-way instead of four-way).
+template <bool STAGED>
 __device__ __forceinline__ int key_row(int g) {
-  if constexpr (FQD_KEY_PERMUTE == 2) return g ^ ((g >> 1) & 1);
-  return FQD_KEY_PERMUTE ? (g >> 1) | ((g & 1) << 2) : g;
+  if constexpr (STAGED) return g ^ ((g >> 1) & 1);
+  return (g >> 1) | ((g & 1) << 2);
 }
+template <bool STAGED>
 __device__ __forceinline__ int value_row(int i, int t) {
-  if constexpr (FQD_KEY_PERMUTE == 2) return key_row(2 * t + (i & 1)) + 8 * (i >> 1);
-  return FQD_KEY_PERMUTE ? t + 4 * i : 2 * t + (i & 1) + 8 * (i >> 1);
+  if constexpr (STAGED) return key_row<true>(2 * t + (i & 1)) + 8 * (i >> 1);
+  return t + 4 * i;
 }
 
 // Registers of one 16-key tile for lane (g, t).
@@ -390,9 +344,9 @@ __device__ __forceinline__ const unsigned char* at(const unsigned char* base, u3
 // slice sits in shared memory and pages are found with shifts.
 // The K base already points at the lane's quarter of a row (t*D/8), the V base at its eighth (g*D/16). Paged bases
 // also hold the lane's rows in a tile (key_row(g) for K and both norms, value_row(0, t) for V), so a whole tile of a
-// 16-key block costs one page lookup, one wide multiply and four 64-bit adds: the tile's rows were rederived from
-// %tid at every tile otherwise (ptxas at 128 registers; docs/kernels_decode.md, version 12).
-template <int D, int MODE>
+// 16-key block costs one page lookup, one wide multiply and four 64-bit adds (at 128 registers ptxas would rederive
+// the tile's rows from %tid at every tile otherwise). STAGED: the key order of staged tiles (see key_row).
+template <int D, int MODE, bool STAGED>
 struct KVAddress {
   const unsigned char* k;   // contiguous: sequence base; paged: this head's K section in block 0 (+ lane offsets)
   const unsigned char* v;
@@ -417,8 +371,9 @@ struct KVAddress {
   // values and value norms for kPartV); keys past `last` are clamped to it (masked later).
   template <int PART>
   __device__ __forceinline__ void load(Tile<D>& tile, int ts, int last) const {
-    const int lane = threadIdx.x & 31, kr = key_row(lane >> 2), t = lane & 3;
-    const int v0 = value_row(0, t), dv1 = value_row(1, t) - v0;  // value rows: v0, v0 + dv1, v0 + 8, v0 + dv1 + 8
+    const int lane = threadIdx.x & 31, kr = key_row<STAGED>(lane >> 2), t = lane & 3;
+    // value rows: v0, v0 + dv1, v0 + 8, v0 + dv1 + 8
+    const int v0 = value_row<STAGED>(0, t), dv1 = value_row<STAGED>(1, t) - v0;
     const u32 rk0 = min(ts + kr, last), rk1 = min(ts + kr + 8, last);
     const u32 rv0 = min(ts + v0, last), rv1 = min(ts + v0 + dv1, last);
     const u32 rv2 = min(ts + v0 + 8, last), rv3 = min(ts + v0 + dv1 + 8, last);
@@ -439,17 +394,10 @@ struct KVAddress {
         }
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], kp);
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], kp + 8 * (D / 2));
-#if FQD_ABLATE & 32
-        if constexpr ((PART & kPartV) != 0) {
-          for (int i = 0; i < 4; ++i)
-            for (int w = 0; w < Traits<D>::kVWords; ++w) tile.v[i][w] = tile.k[i & 1][w] ^ i;
-        }
-#else
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], vp);
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], vp + dv1 * (D / 2));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], vp + 8 * (D / 2));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], vp + (dv1 + 8) * (D / 2));
-#endif
         if constexpr ((PART & kPartK) != 0) tile.kn[0] = load_f32(reinterpret_cast<const float*>(knp));
         if constexpr ((PART & kPartK) != 0) tile.kn[1] = load_f32(reinterpret_cast<const float*>(knp + 32));
         if constexpr ((PART & kPartV) != 0) tile.vn[0] = load_f32(reinterpret_cast<const float*>(vnp));
@@ -487,9 +435,7 @@ struct KVAddress {
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], kp);
         if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], at(kp, 8u, k_sn));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], vp);
-        if constexpr ((PART & kPartV) != 0) {  // (dv1 < 0 in the order of FQD_KEY_PERMUTE=2)
-          load_words(tile.v[1], FQD_KEY_PERMUTE == 2 ? vp + static_cast<long long>(dv1) * v_sn : at(vp, dv1, v_sn));
-        }
+        if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], at(vp, dv1, v_sn));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], at(vp, 8u, v_sn));
         if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], at(vp, dv1 + 8u, v_sn));
         const unsigned char* knp = at(kn, r + kr, kn_sn);
@@ -529,7 +475,7 @@ struct KVAddress {
   template <int kRows>
   __device__ __forceinline__ void prefetch_chunk(int ts0, int last) const {
     const int lane = threadIdx.x & 31;
-#if FQD_BULK_PREFETCH && __CUDA_ARCH__ >= 900
+#if __CUDA_ARCH__ >= 900
     if constexpr (MODE == kPaged) {
       if (log2_bs == 4) {  // the common block size: the tile is one block, its four sections one run of bytes
 #pragma unroll
@@ -562,7 +508,7 @@ struct KVAddress {
     const int n = ts0 + lane;
     if (lane >= kRows || n > last) return;
     if constexpr (MODE == kPaged) {
-      const auto [k, v, kn, vn] = section_starts(key_row(lane >> 2), value_row(0, lane & 3));
+      const auto [k, v, kn, vn] = section_starts(key_row<STAGED>(lane >> 2), value_row<STAGED>(0, lane & 3));
       const u32 page = pages[(n >> log2_bs) - page0];
       const u32 r = static_cast<u32>(n) & ((1u << log2_bs) - 1u);
       prefetch_l2(at(at(k, page, page_stride), r, D / 2));
@@ -601,8 +547,8 @@ template <int D>
 __device__ __forceinline__ void load_staged(Tile<D>& tile, const unsigned char* stage, int ts, int last) {
   using T = Traits<D>;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  int rk[2] = {key_row(g), key_row(g) + 8};
-  int rv[4] = {value_row(0, t), value_row(1, t), value_row(2, t), value_row(3, t)};
+  int rk[2] = {key_row<true>(g), key_row<true>(g) + 8};
+  int rv[4] = {value_row<true>(0, t), value_row<true>(1, t), value_row<true>(2, t), value_row<true>(3, t)};
   if (ts + 15 > last) {
     for (int i = 0; i < 2; ++i) rk[i] = min(rk[i], last - ts);
     for (int i = 0; i < 4; ++i) rv[i] = min(rv[i], last - ts);
@@ -628,7 +574,7 @@ struct WarpState {
   float acc[Traits<D>::kPVTiles][4];  // O^T. 8 slots: rows dims (D/8)g+2m (+1 for [2],[3]), cols heads 2t, 2t+1;
                                       // 4 slots: head t, dims (D/8)g + 4m + {0, 2, 1, 3}
   float mu[kCols];                    // the value subtracted before exp2: the running max at the last rescale
-                                      // (log2 domain, uniform over g; later scores may exceed it by FQD_RESCALE_SLACK),
+                                      // (log2 domain, uniform over g; later scores may exceed it by kRescaleSlack),
                                       // or 0 while that is -inf
   float thr[kCols];                   // max - mu: 0, or -inf while no key was seen (scores arrive as s - mu)
   float l[kCols];                     // partial denominators over this lane's keys
@@ -640,11 +586,11 @@ struct WarpState {
 // The three stages of one warp iteration over kTiles tiles of 16 keys starting at ts0:
 //   tile_scores    S^T = K Q^T on tensor cores, scaled by the key norms (log2 domain), keys at or past `end` -inf
 //   update_max     the running max per head column; the accumulators are rescaled only when it moves (by more
-//                  than FQD_RESCALE_SLACK for bf16 P V)
+//                  than kRescaleSlack for bf16 P V)
 //   (the step)     P = exp2(S - mu)
 //   accumulate_pv  l += P, O^T += V^T (P * value norms)^T on tensor cores
-// (Version 6 ran accumulate_pv of chunk c and tile_scores of chunk c + W in one basic block, so the two lookup ->
-// mma chains could overlap: 5-12 % slower on the H200, docs/kernels_decode.md.)
+// The stages run one after the other: interleaving accumulate_pv of one chunk with tile_scores of the next in one
+// basic block (so their lookup -> mma chains overlap) is slower.
 template <int D, int W, int MODE>
 __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][Traits<D>::kScores],
                                             const Tile<D> (&tiles)[Traits<D, W>::kTiles],
@@ -654,8 +600,9 @@ __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][Tra
   constexpr int kCols = Traits<D>::kCols, kScores = Traits<D>::kScores;
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
-    // kQKChains accumulators (k-steps round-robin) shorten the dependent mma chain.
-    constexpr int kQKChains = FQD_QK_CHAINS > 0 ? FQD_QK_CHAINS : Traits<D>::kPairs ? 2 : 1;
+    // kQKChains accumulators (k-steps round-robin) shorten the dependent mma chain: 2 with 4 head slots, whose
+    // freed accumulator registers pay for the second chain, 1 with 8 (where the registers are the limit).
+    constexpr int kQKChains = Traits<D>::kPairs ? 2 : 1;
     float acc_qk[kQKChains][4];
 #pragma unroll
     for (int a = 0; a < kQKChains; ++a) acc_qk[a][0] = acc_qk[a][1] = acc_qk[a][2] = acc_qk[a][3] = 0.f;
@@ -714,7 +661,7 @@ template <int D, int W, bool F16PV>
 __device__ __forceinline__ void update_max(WarpState<D>& st, float (&s)[Traits<D, W>::kTiles][Traits<D>::kScores]) {
   using T = Traits<D, W>;
   constexpr int kCols = Traits<D>::kCols, kScores = Traits<D>::kScores;
-  constexpr float kSlack = F16PV ? 0.f : FQD_RESCALE_SLACK;
+  constexpr float kSlack = F16PV ? 0.f : kRescaleSlack;
   float mx[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) mx[c] = -inf();
@@ -763,9 +710,6 @@ __device__ __forceinline__ void update_max(WarpState<D>& st, float (&s)[Traits<D
 // 2q, 2q+1.
 template <int D>
 __device__ __forceinline__ u32 value_pair(const Lut& lut_v, const u32 (&w)[Traits<D>::kVWords], int q) {
-#if FQD_ABLATE & 16
-  return __byte_perm(w[q >> 2], lut_v.lane, 0x7604u | ((q & 3) << 4));
-#endif
   switch (q & 3) {
     case 0: return lut_v.get<0>(w[q >> 2]);
     case 1: return lut_v.get<1>(w[q >> 2]);
@@ -832,66 +776,13 @@ __device__ __forceinline__ void accumulate_pv(WarpState<D>& st,
   }
 }
 
-// Split merge inside a thread-block cluster (FQD_CLUSTER_MERGE builds, launched so that the splits of one unit are
-// the CTAs of one cluster, at most 8). Every CTA has left its normalised partial (`part_o` [nh][D], natural-log `part_lse` [nh]) in
-// its shared memory; after a cluster barrier each CTA merges an interleaved share of the unit's nh * D outputs from
-// all partials through distributed shared memory (the math of fqr::split_k_merge) and writes them to out / lse
-// (rows row0 ..). No partial goes through global memory and no merge kernel runs. The second barrier keeps this
-// CTA's shared memory alive until its peers have read it.
-template <int D, int kThreads>
-__device__ __forceinline__ void merge_in_cluster(const float* part_o, const float* part_lse, float* out, float* lse,
-                                                 long long row0, int nh) {
-  constexpr int kMaxCluster = 8;
-  const u32 size = cluster_size(), rank = cluster_rank();
-  if (size != gridDim.x || size > kMaxCluster) __trap();  // the host launches one cluster per unit's splits
-  cluster_arrive();
-  cluster_wait();
-  const u32 o_addr = static_cast<u32>(__cvta_generic_to_shared(part_o));
-  const u32 l_addr = static_cast<u32>(__cvta_generic_to_shared(part_lse));
-  for (int i = rank * kThreads + threadIdx.x; i < nh * D; i += size * kThreads) {
-    const int hh = i / D, d = i - hh * D;
-    float l[kMaxCluster];
-    float mx = -inf();
-#pragma unroll
-    for (int s = 0; s < kMaxCluster; ++s) {
-      l[s] = s < size ? ld_cluster_f32(cluster_map(l_addr + 4 * hh, s)) : -inf();
-      mx = fmaxf(mx, l[s]);
-    }
-    const long long row = row0 + hh;
-    if (mx == -inf()) {  // every split empty
-      out[row * D + d] = 0.f;
-      if (d == 0) lse[row] = -inf();
-      continue;
-    }
-    const float mx2 = mx * kLog2e;
-    float total = 0.f, acc = 0.f;
-#pragma unroll
-    for (int s = 0; s < kMaxCluster; ++s) {
-      if (s < size) {
-        const float w = ex2(fmaf(l[s], kLog2e, -mx2));  // 0 for an empty split, whose o is never written
-        const float o = ld_cluster_f32(cluster_map(o_addr + 4 * i, s));
-        total += w;
-        acc = w != 0.f ? fmaf(w, o, acc) : acc;
-      }
-    }
-    out[row * D + d] = acc * (1.f / total);
-    if (d == 0) lse[row] = mx + lg2(total) * kLn2;
-  }
-  cluster_arrive();
-  cluster_wait();
-}
-
-// Where a CTA leaves its partial for merge_in_cluster: behind the cross-warp reduction's arrays.
-template <int D, int W>
-__device__ __forceinline__ float* cluster_partial(unsigned char* smem) {
-  return reinterpret_cast<float*>(smem) + W * 8 * D + 2 * W * 8;  // [8][D] outputs, then [8] lse
-}
-
-// Column of element d of row `row` in the cross-warp reduction's [kWarps * 8][D] array. Lane (g, t) stores dims
-// (D/8)g + 2m of rows 2t, 2t+1 as float2; unswizzled those land on two bank pairs per store. XOR-ing the float2
-// index with t and the bits of g above the 32-float bank window spreads the 32 lanes over all 16 bank pairs (two
-// lanes each, the minimum for 256 bytes). The XOR is constant over aligned runs of 32 columns, so the merge's
-// reads of consecutive d stay conflict-free.
+// Column of element d of row `row` in the cross-warp reduction's [kWarps * 8][D] array (kSwizzle 0: plain).
+// kSwizzle 1 (8 head slots, contiguous layouts): lane (g, t) stores dims (D/8)g + 2m of rows 2t, 2t+1 as float2;
+// unswizzled those land on two bank pairs per store. XOR-ing the float2 index with t and the bits of g above the
+// 32-float bank window spreads the 32 lanes over all 16 bank pairs (two lanes each, the minimum for 256 bytes). The
+// XOR is constant over aligned runs of 32 columns, so the merge's reads of consecutive d stay conflict-free. The
+// paged 8-slot kernel keeps the plain layout: with the swizzle ptxas schedules its main loop worse, which costs
+// more than the conflicts.
 // kSwizzle 2 (4 head slots: lane (g, t) stores float4s of row t): the float4 index XOR t, so at D = 128 the 8 lanes
 // of one store phase (g = 0, 1 x t = 0..3) cover all 32 banks (two-way at D = 64 and 256, where g = 0, 1 share them).
 template <int D, int kSwizzle>
@@ -904,8 +795,6 @@ __device__ __forceinline__ int red_col(int row, int d) {
 
 // Grid (splits, H_kv * head_groups, batch); block kThreads. Output row of query head hq of sequence b is
 // b * num_q_heads + hq; partial s of a row lives at part_out[(s * rows + row) * D], part_lse[s * rows + row].
-// Built with FQD_CLUSTER_MERGE (and launched as clusters of `splits` CTAs), the splits merge in the cluster and
-// part_out / part_lse are the final out / lse.
 template <int D, int QK, int MODE, int W>
 __global__ void __launch_bounds__(Traits<D, W>::kThreads, Traits<D, W>::kMinBlocks)
 tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, long long q_sd,
@@ -927,51 +816,36 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   // by a power of two into fp16 range). P V runs in fp16 for fp16 queries and in bf16 (range-safe for large
   // value norms) otherwise.
   constexpr bool F16PV = QK == kQHalf;
-  constexpr bool kClusterMerge = FQD_CLUSTER_MERGE != 0;
+  // Bulk-copied tiles (FQD_TMA_TILES): two 16-key stages per warp and their barriers, ahead of the block ids.
+  constexpr bool kTma = staged_tiles<MODE, kWarps>();
+  static_assert(MODE != kPaged || (FQD_PAGED_LOG2_BS >= 3 && FQD_PAGED_LOG2_BS <= 6),
+                "paged builds are made per block size: FQD_PAGED_LOG2_BS in 3..6");
   extern __shared__ __align__(16) unsigned char smem[];
 
-#if FQD_ABLATE & 8
-  return;  // launch cost only
-#endif
   // Under programmatic dependent launch this grid may start while the previous kernel of the stream runs: wait for
   // it (and its memory) before reading any input or writing a partial the previous merge may still read. A no-op
   // for ordinary launches.
-#if FQD_TIMELINE
-  unsigned long long stamp[5];
-  stamp[0] = global_ns();
-#endif
   grid_dependency_wait();
-#if FQD_TIMELINE
-  stamp[1] = global_ns();
-#endif
-  // CTAs start in linear block order, the first one per SM ahead of the second, and an SM's first CTA runs ~9 %
-  // faster than its second (the schedulers favour older warps; docs/kernels_decode.md, version 11). So the CTAs are
-  // numbered split-major: the first `long_splits` splits of every unit, which the plan makes that much longer, come
-  // first and take the first places. (Cluster launches keep x = split: a cluster holds one unit's splits.)
-  int split, unit_y, b;
-  if constexpr (kClusterMerge) {
-    split = blockIdx.x, unit_y = blockIdx.y, b = blockIdx.z;
-  } else {
-    const int linear = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    const int units = gridDim.y * gridDim.z;
-    split = linear / units;
-    const int unit = linear - split * units;
-    b = unit / gridDim.y;
-    unit_y = unit - b * gridDim.y;
-  }
+  // CTAs start in linear block order, the first one per SM ahead of the second, and an SM's first CTA runs faster
+  // than its second (the schedulers favour older warps). So the CTAs are numbered split-major: the first
+  // `long_splits` splits of every unit, which the plan makes that much longer, come first and take the first places.
+  const int linear = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  const int units = gridDim.y * gridDim.z;
+  const int split = linear / units;
+  const int unit = linear - split * units;
+  const int b = unit / gridDim.y;
+  const int unit_y = unit - b * gridDim.y;
   constexpr int kSlots = T::kHeadSlots;
   const int head_groups = (group + kSlots - 1) / kSlots;
   const int h = unit_y / head_groups;
   const int hg = unit_y - h * head_groups;
   const int nh = min(kSlots, group - hg * kSlots);  // query heads served by this CTA
   const int hq0 = h * group + hg * kSlots;
-#if FQD_PAGED_LOG2_BS > 0
   // A build for one block size: the page arithmetic folds to shifts by a constant and the other sizes' paths go.
   if constexpr (MODE == kPaged) {
     if (log2_bs != FQD_PAGED_LOG2_BS) __trap();  // the host picks this build for that block size only
     log2_bs = FQD_PAGED_LOG2_BS;
   }
-#endif
   const int len = MODE == kPaged ? seq_lens[b] : num_keys;
   // Splits [0, long_splits) hold split_len keys, the later ones short_len.
   const int s0 = split < long_splits ? split * split_len : long_splits * split_len + (split - long_splits) * short_len;
@@ -979,13 +853,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   const int tid = threadIdx.x;
 
   if (s0 >= s1) {  // empty split: contributes nothing to the merge
-    if constexpr (kClusterMerge) {
-      float* const part_o = cluster_partial<D, kWarps>(smem);
-      if (tid < 8) part_o[8 * D + tid] = -inf();
-      merge_in_cluster<D, kThreads>(part_o, part_o + 8 * D, part_out, part_lse,
-                                    static_cast<long long>(b) * num_q_heads + hq0, nh);
-      return;
-    }
     for (int i = tid; i < nh * D; i += kThreads) {
       const int hh = i / D, d = i - hh * D;
       const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + hh;
@@ -997,9 +864,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  KVAddress<D, MODE> kv;
-  // Bulk-copied tiles (FQD_TMA_TILES): two 16-key stages per warp and their barriers, ahead of the block ids.
-  constexpr bool kTma = FQD_TMA_TILES && MODE == kPaged && FQD_PAGED_LOG2_BS == 4 && kWarps == 8;
+  KVAddress<D, MODE, kTma> kv;
   constexpr int kStageBytes = 16 * (D + 8);
   unsigned char* const stage = smem + kPagesOffset + warp * 2 * kStageBytes;
   unsigned long long* const stage_bar =
@@ -1012,7 +877,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     const long long bs = 1ll << log2_bs;
     const unsigned char* head = k_idx + h * (bs * (D + 8));
     // The bases include the lane's rows in a tile (keys key_row(g), values value_row(0, t)).
-    const int key_rows = key_row(g), value_rows = value_row(0, t);
+    const int key_rows = key_row<kTma>(g), value_rows = value_row<kTma>(0, t);
     kv.k = head + t * T::kKBytes + key_rows * (D / 2);
     kv.kn = head + bs * (D / 2) + key_rows * 4;
     kv.v = head + bs * (D / 2 + 4) + g * T::kVBytes + value_rows * (D / 2);
@@ -1047,9 +912,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   //  * Contiguous layouts (kSplitLoads): the values of chunk c + kWarps are loaded when chunk c starts, its keys
   //    one iteration earlier, right after chunk c - kWarps's keys were consumed (its QK mma), into the registers
   //    they freed. Keys, which an iteration needs first, and values both get ~1.5 iterations to arrive.
-  //  * Paged: all of chunk c + kWarps is loaded when chunk c starts (one page lookup per tile instead of two);
-  //    measured on the H200 (docs/kernels_decode.md, version 4), split loads were 1-2 % slower here and 5 %
-  //    faster on the contiguous layout.
+  //  * Paged: all of chunk c + kWarps is loaded when chunk c starts (one page lookup per tile instead of two, which
+  //    outweighs the earlier key loads that split loads give the contiguous layouts).
   //  * Staged tiles (kTma): no register loads; chunks c + kWarps and c + 2 kWarps are in flight to shared memory
   //    (the loop below).
   constexpr bool kSplitLoads = MODE != kPaged;
@@ -1082,14 +946,13 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   }
   if constexpr (MODE == kPaged) kv.pages = pages;  // the loop's copy, published by the barrier after the build
   // The queries (vector loads where the head dim is contiguous and aligned) and the centroids (lanes 0-15 keys,
-  // 16-31 values; the table build shuffles them), after the first tiles: issuing them first measured the same
-  // (docs, version 9).
+  // 16-31 values; the table build shuffles them), after the first tiles.
   float x[T::kSteps][4];
   {
     // The lane's head of the B operand (column g): head g, or with 4 slots head g / 2, whose half g % 2 of the
     // contraction is the lane's when t % 2 agrees (tile_scores adds the two halves).
     const int qh = T::kPairs ? g >> 1 : g;
-    const bool valid = qh < nh && (!T::kPairs || ((g ^ t) & 1) == 0) && (FQD_ABLATE & 2) == 0;
+    const bool valid = qh < nh && (!T::kPairs || ((g ^ t) & 1) == 0);
     const long long base = static_cast<long long>(b) * q_sb + static_cast<long long>(hq0 + (valid ? qh : 0)) * q_sh;
     constexpr int kElem = QK == kQFloat ? 4 : 2;
     const bool vector = q_sd == 1 &&
@@ -1103,7 +966,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int d = t * (D / 4) + 4 * kk + i;
-          x[kk][i] = valid ? load_query<QK>(q, base + d * q_sd) : ((FQD_ABLATE & 2) ? 1.f : 0.f);
+          x[kk][i] = valid ? load_query<QK>(q, base + d * q_sd) : 0.f;
         }
       }
     }
@@ -1117,11 +980,10 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   for (int c = 0; c < T::kCols; ++c) st.thr[c] = -inf(), st.mu[c] = 0.f, st.l[c] = 0.f;
   const u32 even_g = (g & 1) ? 0u : ~0u;  // 4 head slots: which half of P^T's rows this lane's B column takes
 
-  const u32 window_high = kClusterMerge ? static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFF0000u : 0u;
-  const Lut lut_k(lane, 0, window_high);
-  const Lut lut_v(lane, 1, window_high);
+  const Lut lut_k(lane, 0);
+  const Lut lut_v(lane, 1);
   // The table build runs while the first tiles, the queries and the centroids are in flight.
-  build_tables<F16PV, kThreads, kClusterMerge>(smem, centroid);
+  build_tables<F16PV, kThreads>(smem, centroid);
   u32 qf[T::kSteps][2];
   // The queries are multiplied by 2^-e so that their largest magnitude lies in [2^14, 2^15) (exact; fp16 range
   // and full fp16 precision for any input scale); 2^e goes back into the score scale. Q^T fragments: head g of
@@ -1147,9 +1009,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     }
   }
   __syncthreads();  // tables and pages are ready
-#if FQD_TIMELINE
-  stamp[2] = global_ns();
-#endif
   for (int i = 1; i <= prefetch; ++i) {
     const int ahead = c + (kTma ? i + 1 : i) * kWarps;
     if (ahead < nchunks) kv.template prefetch_chunk<T::kChunk>(tile_at(ahead, 0), last);
@@ -1174,7 +1033,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     if (prefetch > 0 && cn + prefetch * kWarps < nchunks)
       kv.template prefetch_chunk<T::kChunk>(tile_at(cn + prefetch * kWarps, 0), last);
     float s[T::kTiles][T::kScores];
-    tile_scores<D, W, MODE>(s, cur, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row(g), st.mu);
+    tile_scores<D, W, MODE>(s, cur, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row<kTma>(g), st.mu);
     if (kSplitLoads && ck < nchunks) {
 #pragma unroll
       for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(cur[j], tile_at(ck, j), last);
@@ -1195,7 +1054,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       if (prefetch > 0 && c + (2 + prefetch) * kWarps < nchunks)
         kv.template prefetch_chunk<T::kChunk>(tile_at(c + (2 + prefetch) * kWarps, 0), last);
       float s[T::kTiles][T::kScores];
-      tile_scores<D, W, MODE>(s, bufa, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row(g), st.mu);
+      tile_scores<D, W, MODE>(s, bufa, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row<kTma>(g), st.mu);
       softmax_pv(bufa, s);
     }
   } else {
@@ -1205,9 +1064,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 
   // The merge (launched programmatically) may now be scheduled; it waits for this grid to finish.
   grid_dependents_launch();
-#if FQD_TIMELINE
-  stamp[3] = global_ns();
-#endif
   // Denominators: sum the lane partials over the 8 lanes of each head column.
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
@@ -1215,20 +1071,9 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     for (int c = 0; c < T::kCols; ++c) st.l[c] += __shfl_xor_sync(0xffffffffu, st.l[c], off);
   }
 
-#if FQD_ABLATE & 4
-  if constexpr (!kClusterMerge) {  // (a cluster must reach its barriers)
-    if (warp == 0 && g == 0) {
-      const long long row =
-          static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + (T::kCols * t) % nh;
-      for (int m = 0; m < T::kPVTiles; ++m) part_out[row * D + 2 * m] = st.acc[m][0] / st.l[0];
-      part_lse[row] = st.running_max(0);
-    }
-    return;
-  }
-#endif
   // Merge the W warps through shared memory (the tables are dead now).
   __syncthreads();
-  constexpr int kRedSwizzle = T::kPairs ? 2 : MODE == kPaged ? FQD_RED_SWIZZLE_PAGED : FQD_RED_SWIZZLE_CONTIGUOUS;
+  constexpr int kRedSwizzle = T::kPairs ? 2 : MODE == kPaged ? 0 : 1;  // see red_col
   float* red_acc = reinterpret_cast<float*>(smem);            // [kWarps][8][D], columns red_col
   float* red_m = red_acc + kWarps * 8 * D;                    // [kWarps][8]
   float* red_l = red_m + kWarps * 8;                          // [kWarps][8]
@@ -1263,7 +1108,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     }
   }
   __syncthreads();
-  float* const cluster_o = cluster_partial<D, kWarps>(smem);
   for (int i = tid; i < nh * D; i += kThreads) {
     const int hh = i / D, d = i - hh * D;
     float mx = -inf();
@@ -1280,30 +1124,9 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       o /= lsum;
     }
     auto split_lse = [&] { return mx == -inf() ? -inf() : (mx + lg2(lsum)) * kLn2; };
-    if constexpr (kClusterMerge) {
-      cluster_o[i] = o;
-      if (d == 0) cluster_o[8 * D + hh] = split_lse();
-      continue;
-    }
     const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + hh;
-    if (FQD_TIMELINE && o != 1234.5f) continue;  // (keeps the reduction's cost without its stores)
     part_out[row * D + d] = o;
     if (d == 0) part_lse[row] = split_lse();
-  }
-#if FQD_TIMELINE
-  stamp[4] = global_ns();
-  if (lane == 0) {
-    unsigned int sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    const long long cta = (static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    unsigned long long* dst = reinterpret_cast<unsigned long long*>(part_out) + (cta * kWarps + warp) * 8;
-    for (int k = 0; k < 5; ++k) dst[k] = stamp[k];
-    dst[5] = sm;
-  }
-#endif
-  if constexpr (kClusterMerge) {
-    merge_in_cluster<D, kThreads>(cluster_o, cluster_o + 8 * D, part_out, part_lse,
-                                  static_cast<long long>(b) * num_q_heads + hq0, nh);
   }
 }
 

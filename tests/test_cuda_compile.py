@@ -8,17 +8,18 @@ Convention for kernel wrappers: every module ``flashquant_hf/kernels/<op>.py`` t
   ``tq_attention.py``, which this test then skips);
 * optionally ``HOPPER_ONLY = True`` when its source uses sm_90a-only instructions (wgmma, setmaxnreg) behind
   ``#if defined(__CUDA_ARCH_FEAT_SM90_ALL)``; it is then also compiled for sm_90a;
-* optionally ``VARIANT_OPTIONS``: tuples of extra NVRTC options of builds it launches besides the plain one
-  (e.g. ``("-DFQD_CLUSTER_MERGE=1",)``); each is compiled as well.
+* instead of ``NAME_EXPRESSIONS``, a module whose launches compile with NVRTC options (``-D`` build switches)
+  declares ``BUILDS``: ``(options, name expressions)`` pairs, every build it may compile on any GPU.
 
-For each source this test writes one translation unit: ``loader.cuda_source(CUDA_SOURCE)`` (local headers
+For each build this test writes one translation unit: ``loader.cuda_source(CUDA_SOURCE)`` (local headers
 inlined, exactly the text NVRTC receives) followed by a host array that takes the address of every name
-expression of every module using that source, which makes nvcc instantiate and compile each one:
+expression of the build, which makes nvcc instantiate and compile each one:
 
     void* fq_instances[] = {(void*)&tq_compress_hadamard<128, 4, __nv_bfloat16>, ...};
 
-and compiles it with ``nvcc -std=c++17 -c -arch=sm_80`` and ``-arch=sm_90`` (all invocations run in
-parallel; about a minute of CPU per source). Skipped, with the reason, when nvcc is not on PATH.
+and compiles it with ``nvcc -std=c++17 -c -arch=sm_80`` and ``-arch=sm_90`` plus the build's options (all
+invocations of a source run in parallel; about a minute of CPU per build). Skipped, with the reason, when nvcc
+is not on PATH.
 """
 
 from __future__ import annotations
@@ -50,19 +51,23 @@ def _kernel_modules():
 
 
 def _sources() -> dict[str, dict]:
-    """CUDA source -> {"names": [...], "hopper": bool, "modules": [...]}, from every wrapper's table."""
+    """CUDA source -> {"builds": {options: [names]}, "hopper": bool, "modules": [...]}, from every wrapper's table."""
     sources: dict[str, dict] = {}
     for module in _kernel_modules():
         names = tuple(getattr(module, "NAME_EXPRESSIONS", ()))
-        if not names:
+        builds = tuple(getattr(module, "BUILDS", ()))
+        if names:
+            builds += (((), names),)
+        if not builds:
             continue
         source = getattr(module, "CUDA_SOURCE", None)
         assert isinstance(source, str) and source.endswith(".cu"), (
-            f"{module.__name__} has NAME_EXPRESSIONS but no CUDA_SOURCE = '<file>.cu' naming its source"
+            f"{module.__name__} has NAME_EXPRESSIONS or BUILDS but no CUDA_SOURCE = '<file>.cu' naming its source"
         )
-        entry = sources.setdefault(source, {"names": [], "hopper": False, "modules": [], "variants": [()]})
-        entry["names"] += [n for n in names if n not in entry["names"]]
-        entry["variants"] += [tuple(v) for v in getattr(module, "VARIANT_OPTIONS", ()) if tuple(v) not in entry["variants"]]
+        entry = sources.setdefault(source, {"builds": {}, "hopper": False, "modules": []})
+        for options, build_names in builds:
+            known = entry["builds"].setdefault(tuple(options), [])
+            known += [n for n in build_names if n not in known]
         entry["hopper"] |= bool(getattr(module, "HOPPER_ONLY", False))
         entry["modules"].append(module.__name__)
     return sources
@@ -73,7 +78,8 @@ SOURCES = _sources()
 
 def _translation_unit(source: str, names: list[str]) -> str:
     addresses = ",\n".join(f"    (void*)&{name}" for name in names)
-    return f"{loader.cuda_source(source)}\n\n// Host side: taking each address instantiates it.\nvoid* fq_instances[] = {{\n{addresses}\n}};\n"
+    return (f"{loader.cuda_source(source)}\n\n// Host side: taking each address instantiates it.\n"
+            f"void* fq_instances[] = {{\n{addresses}\n}};\n")
 
 
 def _nvcc(tu: Path, arch: str, options: tuple[str, ...] = ()) -> tuple[str, int, str]:
@@ -98,12 +104,14 @@ def test_every_wrapper_declares_its_source():
 def test_cuda_source_compiles(source):
     entry = SOURCES[source]
     archs = ARCHS + (("sm_90a",) if entry["hopper"] else ())
-    builds = [(arch, options) for options in entry["variants"] for arch in archs]
+    jobs = []
     with tempfile.TemporaryDirectory() as tmp:
-        tu = Path(tmp) / f"check_{Path(source).stem}.cu"
-        tu.write_text(_translation_unit(source, entry["names"]))
+        for i, (options, names) in enumerate(entry["builds"].items()):
+            tu = Path(tmp) / f"check_{Path(source).stem}_{i}.cu"
+            tu.write_text(_translation_unit(source, names))
+            jobs += [(tu, arch, options) for arch in archs]
         with ThreadPoolExecutor(max_workers=len(archs)) as pool:
-            results = list(pool.map(lambda b: _nvcc(tu, *b), builds))
+            results = list(pool.map(lambda job: _nvcc(*job), jobs))
     failures = [f"--- nvcc -arch={arch} (exit {rc}):\n{log[-6000:]}" for arch, rc, log in results if rc != 0]
     assert not failures, f"cuda/{source} ({', '.join(entry['modules'])}) failed to compile:\n" + "\n".join(failures)
 
@@ -161,8 +169,7 @@ class _FakeDriver:
 
     def cuLaunchKernelEx(self, config_ref, function, params, extra):
         config = config_ref._obj
-        attrs = [(config.attrs[i].id, config.attrs[i].value.flag, tuple(config.attrs[i].value.dims))
-                 for i in range(config.num_attrs)]
+        attrs = [(config.attrs[i].id, config.attrs[i].value.flag) for i in range(config.num_attrs)]
         self.seen.append(((config.grid_x, config.grid_y, config.grid_z), config.block_x, config.shared_mem,
                           config.stream, attrs, function, params))
         return self.status
@@ -176,7 +183,7 @@ def test_programmatic_launch_passes_each_calls_grid_and_stream(monkeypatch):
     block_args = loader.ArgBlock((np.int64(1),))
     assert loader._launch_programmatic(block_args, 11, (3, 2, 1), 256, 4096, 77, 1234)
     assert loader._launch_programmatic(block_args, 11, (5, 1, 8), 128, 0, 78, 1234)
-    programmatic = [(6, 1, (1, 0, 0))]
+    programmatic = [(6, 1)]
     assert driver.seen == [((3, 2, 1), 256, 4096, 77, programmatic, 11, 1234),
                            ((5, 1, 8), 128, 0, 78, programmatic, 11, 1234)]
     for refusal in (201, 1):  # CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE: the caller launches plainly
@@ -184,20 +191,3 @@ def test_programmatic_launch_passes_each_calls_grid_and_stream(monkeypatch):
         assert not loader._launch_programmatic(block_args, 11, (1, 1, 1), 32, 0, 0, 0)
     monkeypatch.setattr(loader, "_driver", lambda: None)
     assert not loader._launch_programmatic(block_args, 11, (1, 1, 1), 32, 0, 0, 0)
-
-
-def test_cluster_launch_attributes_and_refusals(monkeypatch):
-    """A cluster launch carries the cluster dimension (x = cluster size) before the programmatic attribute; a grid
-    that is not whole clusters, a missing driver entry point or a refused launch raise instead of falling back to a
-    launch without clusters (whose CTAs would write partial rows as if merged)."""
-    attrs = loader._attributes(True, 4)
-    assert [a.id for a in attrs] == [loader._CLUSTER_DIMENSION, loader._PROGRAMMATIC_STREAM_SERIALIZATION]
-    assert bytes(attrs[0])[8:20] == b"".join(v.to_bytes(4, "little") for v in (4, 1, 1))
-    config, _, kept = loader._config((8, 2, 1), 256, 1000, 5, False, 8)
-    assert config.num_attrs == 1 and config.attrs[0].id == 4 and tuple(config.attrs[0].value.dims) == (8, 1, 1)
-    assert kept[0].id == 4  # the attribute array lives as long as the configuration that points to it
-    with pytest.raises(ValueError, match="multiple of the cluster size"):
-        loader._launch_cluster(None, 11, (6, 1, 1), 256, (np.int64(1),), 0, 0, False, 4)
-    monkeypatch.setattr(loader, "_driver", lambda: None)
-    with pytest.raises(RuntimeError, match="cuLaunchKernelEx"):
-        loader._launch_cluster(None, 11, (4, 1, 1), 256, (np.int64(1),), 0, 0, False, 4)

@@ -63,13 +63,10 @@ def test_balance_leaves_other_plans_alone(units, length, ctas_per_sm, speedup):
 
 
 @pytest.mark.parametrize("group,heads,units", [(1, 4, 1), (3, 4, 1), (4, 4, 1), (5, 8, 1), (8, 8, 1), (12, 8, 2)])
-def test_gqa_groups_pick_their_head_slots(group, heads, units, monkeypatch):
+def test_gqa_groups_pick_their_head_slots(group, heads, units):
     """GQA <= 4 runs the paired build (4 head slots per CTA), larger groups the 8-slot one in ceil(G / 8) CTAs."""
-    monkeypatch.setattr(pd, "PAIRED_HEADS", True)
     assert pd.head_slots(group) == heads
     assert pd.units_shape(3, 2, group) == (3, 2, units)
-    monkeypatch.setattr(pd, "PAIRED_HEADS", False)
-    assert pd.head_slots(group) == 8
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0), (12, 0)])
@@ -78,26 +75,31 @@ def test_gqa_groups_pick_their_head_slots(group, heads, units, monkeypatch):
 def test_build_options_per_block_size_and_staged_tiles(capability, log2_bs, heads, monkeypatch):
     """Paged builds carry their block size; staged tiles (and their key order and shared memory) only for blocks of
     16 keys on sm_90 with 8-warp CTAs; contiguous builds neither."""
-    monkeypatch.setattr(pd.loader, "device_capability", lambda index: capability)
-    monkeypatch.setattr(pd, "KERNEL_OPTIONS", ())
-    monkeypatch.setattr(pd, "TMA_TILES", True)
     mode = pd.MODE_CONTIGUOUS if log2_bs is None else pd.MODE_PAGED
-    options = pd.build_options(mode, heads, log2_bs, 128, 0)
+    options = pd.build_options(mode, heads, log2_bs, 128, capability[0])
     assert (pd.PAIRED_OPTION in options) == (heads == 4)
     assert (f"-DFQD_PAGED_LOG2_BS={log2_bs}" in options) == (log2_bs is not None)
     staged = log2_bs == 4 and capability[0] == 9  # sm_90 only (later parts may not give a CTA 105 KB)
-    assert all(o in options for o in pd.TMA_OPTIONS) == staged
+    assert (pd.TMA_OPTION in options) == staged
+    assert len(options) == (heads == 4) + (log2_bs is not None) + staged
     assert pd.staged_tile_bytes(options, 128, 8) == (8 * 2 * (16 * 136 + 8) if staged else 0)
     assert pd.staged_tile_bytes(options, 128, 4) == 0
-    assert pd.TMA_OPTION not in pd.build_options(mode, heads, log2_bs, 256, 0)  # head_dim 256 runs 4-warp CTAs
+    assert pd.TMA_OPTION not in pd.build_options(mode, heads, log2_bs, 256, capability[0])  # 256: 4-warp CTAs
     monkeypatch.setattr(pd, "TMA_TILES", False)
-    assert pd.TMA_OPTION not in pd.build_options(mode, heads, log2_bs, 128, 0)
+    assert pd.TMA_OPTION not in pd.build_options(mode, heads, log2_bs, 128, capability[0])
 
 
-def test_build_options_refuse_experiment_options_the_host_sizes_by(monkeypatch):
-    """Head slots and staged tiles change the grid and the shared memory the host plans: not as raw NVRTC options."""
-    monkeypatch.setattr(pd.loader, "device_capability", lambda index: (9, 0))
-    for option in ("-DFQD_HEAD_SLOTS=4", "-DFQD_TMA_TILES"):
-        monkeypatch.setattr(pd, "KERNEL_OPTIONS", (option,))
-        with pytest.raises(ValueError, match="FQD_HEAD_SLOTS or FQD_TMA_TILES"):
-            pd.build_options(pd.MODE_PAGED, 4, 4, 128, 0)
+def test_builds_hold_every_launch_build():
+    """BUILDS (what tests/test_cuda_compile.py compiles) hold the build of every launch on sm_80 and sm_90: both
+    head-slot counts, every block size, staged tiles only for blocks of 16 at head_dim <= 128."""
+    builds = {options: set(names) for options, names in pd.BUILDS}
+    for capability in (8, 9):
+        for heads in (4, 8):
+            for mode, sizes in ((pd.MODE_CONTIGUOUS, [None]), (pd.MODE_CONTIGUOUS_BIAS, [None]),
+                                (pd.MODE_PAGED, [3, 4, 5, 6])):
+                for log2_bs in sizes:
+                    for head_dim in pd.HEAD_DIMS:
+                        names = builds[pd.build_options(mode, heads, log2_bs, head_dim, capability)]
+                        assert {pd.kernel_name(head_dim, kind, mode) for kind in (0, 1, 2)} <= names
+    staged = {options: names for options, names in builds.items() if pd.TMA_OPTION in options}
+    assert len(staged) == 2 and all(len(names) == 6 and "<256," not in " ".join(names) for names in staged.values())

@@ -10,7 +10,6 @@ host time is part of their latency), which falls back to :func:`launch`.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import re
@@ -156,9 +155,9 @@ class ArgBlock:
         self.address = ctypes.addressof(self.params)
         self.lock = threading.Lock()
         self.shared_limit = 48 * 1024  # dynamic shared memory the kernel is known to accept
-        # cuLaunchKernelEx configurations per (programmatic, cluster size), built on first use:
-        # (CUlaunchConfig, its address, the attribute array it points to)
-        self.launch_configs: dict[tuple[bool, int], tuple] = {}
+        # The cuLaunchKernelEx configuration of programmatic launches, built on first use: (CUlaunchConfig, its
+        # address, the attribute array it points to)
+        self.launch_config: tuple | None = None
 
     def fill(self, args: Sequence[Any]) -> int:
         """Write ``args`` into the parameter array; returns the address of the ``void*`` array."""
@@ -193,7 +192,7 @@ def _raw_stream(index: int) -> int:
 
 
 class _LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: a 64-byte union
-    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int), ("dims", ctypes.c_uint * 3)]
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, value
@@ -207,71 +206,38 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 PROGRAMMATIC_MIN_CAPABILITY = (9, 0)  # programmatic dependent launch: Hopper or newer
-CLUSTER_MIN_CAPABILITY = (9, 0)  # thread-block clusters: Hopper or newer
+CLUSTER_MIN_CAPABILITY = (9, 0)  # thread-block clusters (__cluster_dims__ kernels): Hopper or newer
 
 
 @functools.cache
 def _driver():
-    """The driver library with ``cuLaunchKernelEx`` and ``cuOccupancyMaxActiveClusters`` typed, or None."""
+    """The driver library with ``cuLaunchKernelEx`` typed, or None."""
     try:
         library = ctypes.CDLL("libcuda.so.1")
-        launch_ex, max_clusters = library.cuLaunchKernelEx, library.cuOccupancyMaxActiveClusters
+        launch_ex = library.cuLaunchKernelEx
     except (OSError, AttributeError):
         return None
     launch_ex.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     launch_ex.restype = ctypes.c_int
-    max_clusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
-    max_clusters.restype = ctypes.c_int
     return library
 
 
-def _attributes(programmatic: bool, cluster: int) -> ctypes.Array:
-    chosen = []
-    if cluster > 1:
-        attribute = _LaunchAttribute(id=_CLUSTER_DIMENSION)
-        attribute.value.dims[:] = (cluster, 1, 1)
-        chosen.append(attribute)
-    if programmatic:
-        attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-        attribute.value.flag = 1
-        chosen.append(attribute)
-    return (_LaunchAttribute * max(1, len(chosen)))(*chosen)
-
-
-def _config(grid: tuple[int, int, int], block: int, shared_mem: int, stream: int, programmatic: bool,
-            cluster: int, cached: dict | None = None) -> tuple:
-    """(CUlaunchConfig, its address, its attributes) for ``cuLaunchKernelEx``; kept in ``cached`` when given
-    (building the ctypes structs costs ~2 us per launch)."""
-    key = (programmatic, cluster)
-    found = cached.get(key) if cached is not None else None
+def _programmatic_config(grid: tuple[int, int, int], block: int, shared_mem: int, stream: int,
+                         block_args: "ArgBlock") -> tuple:
+    """(CUlaunchConfig, its address, its attribute) of a programmatic launch for ``cuLaunchKernelEx``, kept in
+    ``block_args`` (building the ctypes structs costs ~2 us per launch)."""
+    found = block_args.launch_config
     if found is None:
-        attributes = _attributes(programmatic, cluster)
-        config = _LaunchConfig(block_y=1, block_z=1, attrs=attributes, num_attrs=int(cluster > 1) + int(programmatic))
-        found = (config, ctypes.byref(config), attributes)
-        if cached is not None:
-            cached[key] = found
+        attribute = (_LaunchAttribute * 1)(_LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION))
+        attribute[0].value.flag = 1
+        config = _LaunchConfig(block_y=1, block_z=1, attrs=attribute, num_attrs=1)
+        found = block_args.launch_config = (config, ctypes.byref(config), attribute)
     config = found[0]
     config.grid_x, config.grid_y, config.grid_z = grid
     config.block_x, config.shared_mem, config.stream = block, shared_mem, stream
     return found
-
-
-@functools.lru_cache(maxsize=256)
-def max_active_clusters(function: int, cluster: int, grid: tuple[int, int, int], block: int, shared_mem: int,
-                        device_index: int) -> int:
-    """How many clusters of ``cluster`` CTAs of ``function`` the device co-schedules
-    (``cuOccupancyMaxActiveClusters``); 0 where clusters are unavailable (GPU below sm_90, old driver, refused)."""
-    driver = _driver()
-    if driver is None or device_capability(device_index) < CLUSTER_MIN_CAPABILITY:
-        return 0
-    config = _config(grid, block, shared_mem, 0, False, cluster)
-    count = ctypes.c_int(0)
-    with torch.cuda.device(device_index):
-        status = driver.cuOccupancyMaxActiveClusters(ctypes.byref(count), function, config[1])
-    return count.value if status == 0 else 0
 
 
 def _launch_programmatic(block_args: "ArgBlock", function: int, grid: tuple[int, int, int], block: int,
@@ -283,29 +249,8 @@ def _launch_programmatic(block_args: "ArgBlock", function: int, grid: tuple[int,
     driver = _driver()
     if driver is None:
         return False
-    config = _config(grid, block, shared_mem, stream, True, 1, block_args.launch_configs)
+    config = _programmatic_config(grid, block, shared_mem, stream, block_args)
     return driver.cuLaunchKernelEx(config[1], function, params, None) == 0
-
-
-def _launch_cluster(kernel, function: int, grid: tuple[int, int, int], block: int, args: Sequence[Any],
-                    device_index: int, shared_mem: int, programmatic: bool, cluster: int) -> None:
-    """Launch as clusters of ``cluster`` CTAs along x (``cuLaunchKernelEx``); there is no fallback (the kernel
-    relies on its cluster), so a refusal raises. Callers check :func:`max_active_clusters` first."""
-    if grid[0] % cluster:
-        raise ValueError(f"grid x ({grid[0]}) must be a multiple of the cluster size ({cluster})")
-    driver = _driver()
-    if driver is None:
-        raise RuntimeError("thread-block cluster launch needs cuLaunchKernelEx (CUDA driver 12 or newer)")
-    block_args = _block_args(kernel, function, args, device_index, shared_mem)
-    here = torch.cuda.current_device() == device_index  # the guard costs microseconds of host time per call
-    with contextlib.nullcontext() if here else torch.cuda.device(device_index), block_args.lock:
-        params = block_args.fill(args)
-        programmatic = programmatic and device_capability(device_index) >= PROGRAMMATIC_MIN_CAPABILITY
-        config = _config(grid, block, shared_mem, _raw_stream(device_index), programmatic, cluster,
-                         block_args.launch_configs)
-        status = driver.cuLaunchKernelEx(config[1], function, params, None)
-    if status != 0:
-        raise RuntimeError(f"cuLaunchKernelEx refused a launch in clusters of {cluster} CTAs (CUresult {status})")
 
 
 def _block_args(kernel, function: int, args: Sequence[Any], device_index: int, shared_mem: int) -> "ArgBlock":
@@ -326,8 +271,7 @@ def _block_args(kernel, function: int, args: Sequence[Any], device_index: int, s
 
 
 def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int, args: Sequence[Any],
-                  device_index: int, shared_mem: int = 0, fast: bool = True, programmatic: bool = False,
-                  cluster: int = 1) -> None:
+                  device_index: int, shared_mem: int = 0, fast: bool = True, programmatic: bool = False) -> None:
     """Launch ``kernel`` (CUfunction ``function``, see :func:`function_ptr`) on torch's current stream of
     ``device_index`` through its cached parameter array.
 
@@ -337,12 +281,8 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
     ``__cluster_dims__`` launch like any other (the cluster shape is not a launch attribute). ``programmatic``
     launches through ``cuLaunchKernelEx`` with programmatic stream serialization (programmatic dependent launch)
     for kernels that wait on their predecessor with ``griddepcontrol.wait``; on GPUs older than
-    ``PROGRAMMATIC_MIN_CAPABILITY`` the launch is an ordinary one. ``cluster`` > 1 launches clusters of that many
-    CTAs along x, always through ``cuLaunchKernelEx`` (``fast`` does not apply; a refusal raises).
+    ``PROGRAMMATIC_MIN_CAPABILITY`` the launch is an ordinary one.
     """
-    if cluster > 1:
-        _launch_cluster(kernel, function, grid, block, args, device_index, shared_mem, programmatic, cluster)
-        return
     if fast and torch.cuda.current_device() == device_index:
         import cupy
 

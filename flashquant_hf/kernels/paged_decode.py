@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +30,8 @@ CUDA_SOURCE = "paged_decode.cu"
 HEAD_DIMS = (64, 128, 256)
 QUERY_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, MODE_PAGED = 0, 1, 2
-# Warps per CTA for head_dim <= 128 (template W; head_dim 256 always runs 4). 8 (2 CTAs x 8 warps per SM sharing
-# one pair of tables per CTA) won the H200 sweep of benchmarks/bench_decode.py (docs/kernels_decode.md, version 3).
+# Warps per CTA for head_dim <= 128 (template W; head_dim 256 always runs 4): 8, two CTAs x 8 warps per SM sharing
+# one pair of tables per CTA (benchmarks/bench_decode.py sweeps WARP_CHOICES).
 WARPS = 8
 WARP_CHOICES = (4, 8)
 
@@ -47,95 +46,92 @@ def kernel_name(head_dim: int, query_kind: int, mode: int, warps: int | None = N
     return f"fqd::tq_decode_kernel<{head_dim}, {query_kind}, {mode}, {warps_for(head_dim, warps)}>"
 
 
-NAME_EXPRESSIONS: tuple[str, ...] = tuple(
-    kernel_name(d, k, MODE_PAGED) for d in HEAD_DIMS for k in QUERY_KINDS.values()
-)
-
 HEADS_PER_CTA = 8  # the n = 8 head slots of one mma tile
-# GQA <= 4: the build whose mma columns are (head, half of the contraction / output dims) pairs, 4 head slots per
-# CTA (every lane scores a served head; half the O^T accumulator registers). False: every group runs 8 slots.
-PAIRED_HEADS = os.environ.get("FQ_DECODE_PAIRED_HEADS", "1") == "1"
+# GQA <= 4 runs the build whose mma columns are (head, half of the contraction / output dims) pairs, 4 head slots per
+# CTA (every lane scores a served head; half the O^T accumulator registers).
 PAIRED_OPTION = "-DFQD_HEAD_SLOTS=4"
 # Paged blocks of 16 keys on sm_90 (8 warps): every tile reaches shared memory by one bulk copy of the copy engine,
-# two tiles ahead per warp, read back in the key order of FQD_KEY_PERMUTE=2 (no L2 prefetch: 0.75 us faster without
-# it), instead of ten register loads per lane plus an L2 prefetch: 86.2 -> 82.7 us at B=8/N=32K on the H200
-# (docs/kernels_decode.md, version 13). Env FQ_DECODE_TMA_TILES=0 turns it off.
-TMA_TILES = os.environ.get("FQ_DECODE_TMA_TILES", "1") == "1"
+# two tiles ahead per warp, instead of ten register loads per lane plus an L2 prefetch. False gives the register
+# loads of other GPUs (tests compare both on sm_90).
+TMA_TILES = True
 TMA_OPTION = "-DFQD_TMA_TILES=1"
-TMA_OPTIONS = (TMA_OPTION, "-DFQD_KEY_PERMUTE=2")
-TMA_PREFETCH_CHUNKS = 0  # L2 prefetch distance beyond the two staged tiles
+TMA_PREFETCH_CHUNKS = 0  # L2 prefetch distance beyond the two staged tiles (none: the stages keep enough in flight)
 LUT_BYTES = 2 * 256 * 32 * 4 + 1024  # K and V byte->pair tables, one copy per lane, + kLutSlack
 MAX_PAGE_BYTES = 4096  # shared-memory copy of one split's block-table slice
 GRANULE = 128  # keys per round of all warps of a CTA (Traits<D, W>::kChunk * W for every instantiation)
-# Tuned on the H200 by benchmarks/bench_decode.py (sweep over the three benchmark shapes, version 4):
+# L2 prefetch distances, tuned on the H200 by benchmarks/bench_decode.py (sweep over the three benchmark shapes):
 PREFETCH_CHUNKS = 1  # paged: L2 prefetch distance, in warp iterations beyond the register prefetch (0: off)
-CONTIGUOUS_PREFETCH_CHUNKS = 0  # the same for tq_decode (its split key/value loads gained nothing from it)
-# Extra NVRTC options of the decode kernels (experiments, e.g. "-DFQD_QK_CHAINS=4"); part of every cache key.
-KERNEL_OPTIONS: tuple[str, ...] = tuple(os.environ.get("FQ_DECODE_NVRTC_OPTIONS", "").split())
+CONTIGUOUS_PREFETCH_CHUNKS = 0  # the same for tq_decode (its split key/value loads gain nothing from it)
 SLOT_FACTOR = 1.0  # planned CTA slots = SMs x resident CTAs x SLOT_FACTOR
 # How much faster an SM's first resident CTA runs than its second (the schedulers favour older warps): when a plan's
 # CTAs fill between one and two per SM, the splits the first places take (the kernel numbers CTAs split-major) get
 # this much longer key ranges than the others, so both places finish together. 1.0: equal splits. H200: 1.17 for the
-# paired build, whose first places ended ~3 us early at 1.09 (version 13); 1.09 for the 8-slot build (version 11).
-FIRST_PLACE_SPEEDUP = float(os.environ.get("FQ_DECODE_FIRST_PLACE_SPEEDUP", "1.17"))
+# paired build, 1.09 for the 8-slot build.
+FIRST_PLACE_SPEEDUP = 1.17
 FIRST_PLACE_SPEEDUP_8_SLOTS = 1.09
 OVERHEAD_KEYS = 128  # per-CTA start/merge cost, in keys of streaming
 PARTIAL_KEYS = 64  # cost of writing + merging one partial result, in keys
 # Launch through cached cuLaunchKernel parameter arrays (kernels.loader.launch_cached) instead of CuPy's per-argument
-# conversion: 51 instead of 102 us of host time per call on the H200 host (docs/kernels_decode.md, version 3).
+# conversion, which costs about as much host time as the rest of a call. False: CuPy's launch (tests compare both).
 FAST_LAUNCH = True
 # Programmatic dependent launch (sm_90): the decode and merge kernels launch while their predecessor in the stream
-# finishes and wait for it (griddepcontrol.wait) before touching memory, so launch latency overlaps its tail
-# (with the reordered prologue: B=8/N=32K contiguous 100.4 -> 96.4 us on the H200, docs/kernels_decode.md v8).
-PROGRAMMATIC_LAUNCH = os.environ.get("FQ_DECODE_PROGRAMMATIC_LAUNCH", "1") == "1"
-# Merge the splits of a unit inside one thread-block cluster (sm_90; the splits are the CTAs of the cluster, at
-# most MAX_CLUSTER_SPLITS; partials stay in shared memory and no merge kernel runs) when the device co-schedules as
-# many clusters as the plan's waves need; otherwise the merge kernel. Off by default (FQ_DECODE_CLUSTER_MERGE=1
-# turns it on): on the H200 it applies only to short contexts (B=8/N=32K needs 64 clusters of 4, the device holds
-# 62) and saved 1 % there (B=1/N=1K 7.8 -> 7.7 us), not worth a second NVRTC build (docs/kernels_decode.md, v9).
-CLUSTER_MERGE = os.environ.get("FQ_DECODE_CLUSTER_MERGE", "0") == "1"
-CLUSTER_MERGE_OPTION = "-DFQD_CLUSTER_MERGE=1"
-MAX_CLUSTER_SPLITS = 8  # the portable cluster size
-# Builds besides the plain one, compiled by tests/test_cuda_compile.py: the paired build with staged tiles for blocks
-# of 16 keys (paged; its contiguous instantiations are the paired register-load ones). The paged builds for other
-# block sizes differ from the plain one only by a constant shift.
-VARIANT_OPTIONS = ((CLUSTER_MERGE_OPTION,), (PAIRED_OPTION, "-DFQD_PAGED_LOG2_BS=4", *TMA_OPTIONS))
+# finishes and wait for it (griddepcontrol.wait) before touching memory, so launch latency overlaps its tail.
+PROGRAMMATIC_LAUNCH = True
 NULL = np.uint64(0)
 LOG2E = 1.4426950408889634
 
 
 def head_slots(group: int) -> int:
-    """Query heads one CTA serves for a GQA group of ``group`` heads (the build is chosen by it, see PAIRED_HEADS)."""
-    return 4 if PAIRED_HEADS and group <= 4 else HEADS_PER_CTA
+    """Query heads one CTA serves for a GQA group of ``group`` heads (4: the paired build, for groups up to 4)."""
+    return 4 if group <= 4 else HEADS_PER_CTA
 
 
 def block_size_option(log2_block_size: int) -> str:
     """NVRTC option of the paged build for blocks of ``2**log2_block_size`` keys (paged launches are built per block
-    size, so the page arithmetic uses constant shifts: 0.5-0.8 us per call at blocks of 16, version 13)."""
+    size, so the page arithmetic uses constant shifts)."""
     return f"-DFQD_PAGED_LOG2_BS={log2_block_size}"
 
 
 def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: int,
-                  device_index: int) -> tuple[str, ...]:
-    """NVRTC options of the decode build a launch uses: the experiment options, the paired build for 4 head slots
-    (``heads``), the paged build for its block size, and staged tiles where they apply (see TMA_TILES)."""
-    if any(o.startswith(("-DFQD_HEAD_SLOTS", "-DFQD_TMA_TILES")) for o in KERNEL_OPTIONS):
-        raise ValueError("KERNEL_OPTIONS must not set FQD_HEAD_SLOTS or FQD_TMA_TILES (the host sizes grids and shared "
-                         "memory by them): use PAIRED_HEADS / TMA_TILES")
-    options = KERNEL_OPTIONS + ((PAIRED_OPTION,) if heads == 4 else ())
-    if mode == MODE_PAGED and log2_block_size is not None:
+                  capability_major: int) -> tuple[str, ...]:
+    """NVRTC options of the decode build a launch uses on a GPU of compute capability ``capability_major``.x: the
+    paired build for 4 head slots (``heads``), the paged build for its block size, and staged tiles where they apply
+    (see TMA_TILES)."""
+    options = (PAIRED_OPTION,) if heads == 4 else ()
+    if mode == MODE_PAGED:
         options += (block_size_option(log2_block_size),)
         # sm_90 only: the stages need 105 KB of shared memory per CTA at D = 128, more than some later parts allow
-        sm90 = loader.device_capability(device_index)[0] == 9
-        if TMA_TILES and log2_block_size == 4 and warps_for(head_dim) == 8 and sm90:
-            options += TMA_OPTIONS
+        if TMA_TILES and log2_block_size == 4 and warps_for(head_dim) == 8 and capability_major == 9:
+            options += (TMA_OPTION,)
     return options
+
+
+def _builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """Every (NVRTC options, name expressions) build a launch may compile, on any GPU."""
+    builds: dict[tuple[str, ...], list[str]] = {}
+    for capability_major in (8, 9):
+        for heads in (HEADS_PER_CTA, 4):
+            for mode in (MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, MODE_PAGED):
+                sizes = [size.bit_length() - 1 for size in BLOCK_SIZES] if mode == MODE_PAGED else [None]
+                for log2_block_size in sizes:
+                    for head_dim in HEAD_DIMS:
+                        options = build_options(mode, heads, log2_block_size, head_dim, capability_major)
+                        names = builds.setdefault(options, [])
+                        for kind in QUERY_KINDS.values():
+                            name = kernel_name(head_dim, kind, mode)
+                            if name not in names:
+                                names.append(name)
+    return tuple((options, tuple(names)) for options, names in builds.items())
+
+
+# Compiled by tests/test_cuda_compile.py: the paged builds per block size and the paired / staged-tile builds.
+BUILDS = _builds()
 
 
 def staged_tile_bytes(options: tuple[str, ...], head_dim: int, warps: int) -> int:
     """Shared memory of the bulk-copied tile stages (two 16-key tiles and their barriers per warp) in builds with
     ``-DFQD_TMA_TILES=1`` for blocks of 16 keys (the kernel stages only those), else 0."""
-    if TMA_OPTION not in options or "-DFQD_PAGED_LOG2_BS=4" not in options or warps != 8:
+    if TMA_OPTION not in options or block_size_option(4) not in options or warps != 8:
         return 0
     return warps * 2 * (16 * (head_dim + 8) + 8)
 
@@ -280,7 +276,6 @@ class _Launch:
     plan: DecodePlan
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
-    cluster: int  # > 1: CTAs per cluster (= splits; the kernel built with CLUSTER_MERGE_OPTION merges in the cluster)
     prefetch: int  # the kernel's L2 prefetch distance (chunks)
 
 
@@ -299,37 +294,26 @@ def clear_caches() -> None:
 def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tuple[int, int, int],
                 rows: int, length: int, log2_block_size: int | None, heads: int) -> _Launch:
     key = (mode, head_dim, query_kind, index, units, rows, length, log2_block_size, heads, WARPS, SLOT_FACTOR,
-           FIRST_PLACE_SPEEDUP, FIRST_PLACE_SPEEDUP_8_SLOTS, KERNEL_OPTIONS, CLUSTER_MERGE, TMA_TILES, PREFETCH_CHUNKS,
-           TMA_PREFETCH_CHUNKS, CONTIGUOUS_PREFETCH_CHUNKS)
+           FIRST_PLACE_SPEEDUP, FIRST_PLACE_SPEEDUP_8_SLOTS, TMA_TILES, PREFETCH_CHUNKS, TMA_PREFETCH_CHUNKS,
+           CONTIGUOUS_PREFETCH_CHUNKS)
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
     batch, kv_heads, head_groups = units
     warps = warps_for(head_dim)
-    options = build_options(mode, heads, log2_block_size, head_dim, index)
+    options = build_options(mode, heads, log2_block_size, head_dim, loader.device_capability(index)[0])
     kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, options)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
-    if not CLUSTER_MERGE:  # (a cluster launch numbers its CTAs x = split, see the kernel)
-        plan = balance_places(plan, batch * kv_heads * head_groups, length, _sm_count(index), ctas_per_sm,
-                              log2_block_size, FIRST_PLACE_SPEEDUP if heads == 4 else FIRST_PLACE_SPEEDUP_8_SLOTS)
+    plan = balance_places(plan, batch * kv_heads * head_groups, length, _sm_count(index), ctas_per_sm,
+                          log2_block_size, FIRST_PLACE_SPEEDUP if heads == 4 else FIRST_PLACE_SPEEDUP_8_SLOTS)
     staged = staged_tile_bytes(options, head_dim, warps)
     if staged:
         plan = dataclasses.replace(plan, shared_mem=plan.shared_mem + staged)
     grid = (plan.splits, kv_heads * head_groups, batch)
     merge = part_out = part_lse = None
     merge_ptr = 0
-    cluster = 1
-    if (plan.splits > 1 and CLUSTER_MERGE and plan.splits <= MAX_CLUSTER_SPLITS
-            and loader.device_capability(index) >= loader.CLUSTER_MIN_CAPABILITY):
-        clustered, _ = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index,
-                                        options + (CLUSTER_MERGE_OPTION,))
-        function = loader.function_ptr(clustered, index)
-        units = batch * kv_heads * head_groups
-        active = loader.max_active_clusters(function, plan.splits, grid, 32 * warps, plan.shared_mem, index)
-        if active > 0 and -(-units // active) <= -(-units * plan.splits // slots):  # no extra wave
-            kernel, cluster = clustered, plan.splits
-    if plan.splits > 1 and cluster == 1:
+    if plan.splits > 1:
         part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
         merge, merge_ptr = split_k.merge_kernel(head_dim, index, plan.splits)
     if mode != MODE_PAGED:
@@ -337,7 +321,7 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tu
     else:
         prefetch = TMA_PREFETCH_CHUNKS if TMA_OPTION in options else PREFETCH_CHUNKS
     found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, part_out,
-                    part_lse, cluster, prefetch)
+                    part_lse, prefetch)
     if len(_LAUNCHES) >= _CACHE_LIMIT:
         _LAUNCHES.clear()
     _LAUNCHES[key] = found
@@ -345,11 +329,11 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tu
 
 
 def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int, args: tuple, device_index: int,
-                  shared_mem: int = 0, cluster: int = 1) -> None:
+                  shared_mem: int = 0) -> None:
     """:func:`flashquant_hf.kernels.loader.launch_cached` with this module's ``FAST_LAUNCH`` and
-    ``PROGRAMMATIC_LAUNCH`` switches."""
+    ``PROGRAMMATIC_LAUNCH`` settings."""
     loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH,
-                         PROGRAMMATIC_LAUNCH, cluster)
+                         PROGRAMMATIC_LAUNCH)
 
 
 def run_decode(
@@ -375,7 +359,7 @@ def run_decode(
     setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], index, units_shape(batch, kv_heads, group), rows,
                         length, log2_block_size, head_slots(group))
     plan = setup.plan
-    if plan.splits == 1 or setup.cluster > 1:  # written directly (merged in the cluster)
+    if plan.splits == 1:  # written directly
         part_out, part_lse = out, lse
     else:
         part_out, part_lse = setup.part_out, setup.part_lse
@@ -384,8 +368,7 @@ def run_decode(
         centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, *plan.kernel_lengths,
         part_out, part_lse, rows, setup.prefetch,
     )
-    launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem,
-                  setup.cluster)
+    launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
     if setup.merge is not None:
         launch_cached(setup.merge, setup.merge_ptr, split_k.merge_grid(rows), split_k.MERGE_THREADS,
                       split_k.contiguous_merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim), index)

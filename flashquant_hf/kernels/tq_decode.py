@@ -12,25 +12,7 @@ import numpy as np
 import torch
 
 from . import checks
-from .paged_decode import (
-    HEAD_DIMS,
-    MODE_CONTIGUOUS,
-    MODE_CONTIGUOUS_BIAS,
-    NULL,
-    QUERY_KINDS,
-    check_codebooks,
-    check_query,
-    kernel_name,
-    run_decode,
-)
-
-CUDA_SOURCE = "paged_decode.cu"
-NAME_EXPRESSIONS: tuple[str, ...] = tuple(
-    kernel_name(d, k, m)
-    for d in HEAD_DIMS
-    for k in QUERY_KINDS.values()
-    for m in (MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS)
-)
+from .paged_decode import MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, check_codebooks, check_query, run_decode
 
 
 def _check_cache_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple, device: torch.device,

@@ -1,15 +1,14 @@
 """Tiny paged (block sizes 8-64, GQA 4 and 8) + contiguous decode (several splits, so the merge runs too) and a
 40-split merge (the merge's deep-batch variant) for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck python tests/gpu/sanitize_decode.py
+    compute-sanitizer --tool memcheck python tests/gpu/sanitize_decode.py [--warps 4] [--cupy-launch]
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_decode.py
 
-Environment: ``FQ_DECODE_WARPS=8`` runs the 8-warp CTAs, ``FQ_DECODE_FAST_LAUNCH=1`` the cached cuLaunchKernel path.
-``FQ_DECODE_CLUSTER_MERGE=1`` (read at import) merges both decodes' splits (6 and 7) in thread-block clusters on
-sm_90 instead of the merge kernel.
+``--warps`` sets the CTA shape of head_dim <= 128 (default: the tuned one), ``--cupy-launch`` launches through
+CuPy instead of the cached cuLaunchKernel path. ``--dump DIR`` saves inputs and outputs for offline debugging.
 """
 
-import os
+import argparse
 import sys
 from pathlib import Path
 
@@ -43,8 +42,13 @@ def paged_case(q: torch.Tensor, c: torch.Tensor, block_size: int):
 
 
 def main() -> None:
-    pd.WARPS = int(os.environ.get("FQ_DECODE_WARPS", pd.WARPS))
-    pd.FAST_LAUNCH = os.environ.get("FQ_DECODE_FAST_LAUNCH", str(int(pd.FAST_LAUNCH))) == "1"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warps", type=int, choices=pd.WARP_CHOICES, default=pd.WARPS)
+    parser.add_argument("--cupy-launch", action="store_true")
+    parser.add_argument("--dump", type=Path, default=None)
+    args = parser.parse_args()
+    pd.WARPS = args.warps
+    pd.FAST_LAUNCH = not args.cupy_launch
     torch.manual_seed(0)
     dev = "cuda"
     c = torch.tensor(lloyd_max_codebook(128, 4).centroids, dtype=torch.float32, device=dev)
@@ -65,14 +69,12 @@ def main() -> None:
     lses[3] = float("-inf")  # an empty split
     merged, _ = merge_partials(outs, lses)
     torch.cuda.synchronize()
-    if len(sys.argv) > 2 and sys.argv[1] == "--dump":  # inputs and outputs for offline debugging
+    if args.dump is not None:
         torch.save({"q": q, "blocks": blocks, "table": table, "lens": lens, "out": out, "lse": lse, "k": k, "kn": kn,
                     "v": v, "vn": vn, "bias": bias, "out2": out2, "lse2": lse2, "c": c},
-                   Path(sys.argv[2]) / "decode_dump.pt")
+                   args.dump / "decode_dump.pt")
     assert torch.isfinite(out).all() and torch.isfinite(out2).all() and torch.isfinite(merged).all()
-    clusters = sorted({setup.cluster for setup in pd._LAUNCHES.values()})
-    print("sanitize_decode: ok", tuple(out.shape), tuple(out2.shape), f"warps {pd.WARPS}, fast launch {pd.FAST_LAUNCH},"
-          f" cluster sizes {clusters}")
+    print("sanitize_decode: ok", tuple(out.shape), tuple(out2.shape), f"warps {pd.WARPS}, fast launch {pd.FAST_LAUNCH}")
 
 
 if __name__ == "__main__":

@@ -214,35 +214,6 @@ def test_paged_decode_fast_launch_matches_cupy_launch(monkeypatch):
         check(q, blocks, table, lens_t, 16)
 
 
-@pytest.mark.parametrize("warps", [4, 8])
-def test_paged_decode_cluster_merge(warps, monkeypatch, poison):
-    """CLUSTER_MERGE on ragged sequences: short and empty ones leave whole CTAs of their clusters without keys
-    (empty splits take part in the cluster barriers with lse -inf); outputs poisoned first; equal to the merge
-    kernel and the reference, and the launch must really be clustered."""
-    import flashquant_hf.kernels.paged_decode as pd
-
-    monkeypatch.setattr(pd, "WARPS", warps)
-    c = centroids(128)
-    lens = [1000, 5, 0, 700, 129, 1000, 1, 640]  # 8 sequences x 2 KV heads = 16 units, <= 8 splits
-    blocks, table, lens_t = random_store(lens, 16, 2, 128, seed=60 + warps)
-    q = torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
-    results = {}
-    for clustered in (True, False):
-        monkeypatch.setattr(pd, "CLUSTER_MERGE", clustered)
-        results[clustered], setup = decode_poisoned(monkeypatch, poison, q, blocks, table, lens_t, c, c, 4, 4, 0.09,
-                                                    16, 1000)
-        assert 1 < setup.plan.splits <= pd.MAX_CLUSTER_SPLITS
-        assert (setup.cluster == setup.plan.splits and setup.merge is None) == clustered, (setup.plan, setup.cluster)
-    (a_out, a_lse), (b_out, b_lse) = results[True], results[False]
-    torch.testing.assert_close(a_out, b_out, rtol=1e-5, atol=1e-6)
-    assert torch.equal(torch.isfinite(a_lse), torch.isfinite(b_lse))
-    torch.testing.assert_close(a_lse, b_lse, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(pd, "CLUSTER_MERGE", True)
-    pd.clear_caches()
-    check(q, blocks, table, lens_t, 16, max_seq_len=1000)
-    pd.clear_caches()
-
-
 def test_paged_decode_balanced_places(monkeypatch, poison):
     """66 units x 4 splits fill the H200's 264 places: the plan gives the 132 first places (the CTAs numbered first)
     longer splits than the second ones (``balance_places``); ragged lengths leave some short splits partial or
@@ -267,23 +238,6 @@ def test_paged_decode_balanced_places(monkeypatch, poison):
     monkeypatch.setattr(pd, "FIRST_PLACE_SPEEDUP", 1.09)
     pd.clear_caches()
     check(q, blocks, table, lens_t, 16, max_seq_len=16384)
-    pd.clear_caches()
-
-
-@pytest.mark.parametrize("options", [("-DFQD_KEY_PERMUTE=0",), ("-DFQD_BULK_PREFETCH=0",),
-                                     ("-DFQD_RED_SWIZZLE_PAGED=1",), ("-DFQD_RESCALE_SLACK=0.f",)])
-def test_paged_decode_layout_hooks(options, monkeypatch):
-    """The plain key order, the per-lane L2 prefetch, the swizzled reduction (the A/B alternatives of version 11) and
-    a rescale at every new max (version 12) stay correct: ragged sequences, block sizes 8 and 32, L2 prefetch on."""
-    import flashquant_hf.kernels.paged_decode as pd
-
-    monkeypatch.setattr(pd, "KERNEL_OPTIONS", options)
-    monkeypatch.setattr(pd, "PREFETCH_CHUNKS", 1)
-    pd.clear_caches()
-    for block_size in (8, 32):
-        lens = [3000, 1, 0, 77, 1025]
-        blocks, table, lens_t = random_store(lens, block_size, 2, 128, seed=95 + block_size)
-        check(torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16), blocks, table, lens_t, block_size)
     pd.clear_caches()
 
 
@@ -314,7 +268,7 @@ def test_paged_decode_rising_scores(dtype, block_size):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_paged_decode_staged_and_register_tiles(group, head_dim, monkeypatch, poison):
     """Blocks of 16 keys: the tiles bulk-copied into shared memory (sm_90) and the register loads (other GPUs,
-    FQ_DECODE_TMA_TILES=0) both equal the reference on ragged sequences (a split's partial last tile, empty and
+    TMA_TILES False) both equal the reference on ragged sequences (a split's partial last tile, empty and
     one-key sequences), with the paired build (GQA 3: three of its four head slots) and the 8-slot one; outputs
     poisoned first."""
     import flashquant_hf.kernels.paged_decode as pd

@@ -260,7 +260,6 @@ def test_tq_decode_programmatic_launch_back_to_back(monkeypatch):
     import flashquant_hf.kernels.loader as loader
     import flashquant_hf.kernels.paged_decode as pd
 
-    monkeypatch.setattr(pd, "CLUSTER_MERGE", False)  # the merge kernel's partials are what the calls race on
     c = centroids(128)
     k, kn, v, vn = random_cache(4, 2, 9000, 128, capacity_extra=50, seed=41)
     cache = (k, kn, v, vn)
@@ -279,44 +278,6 @@ def test_tq_decode_programmatic_launch_back_to_back(monkeypatch):
     monkeypatch.setattr(loader, "_driver", lambda: None)
     fallback = run(queries[0], cache, c)
     assert torch.equal(fallback[0], results[False][0][0])
-
-
-@pytest.mark.parametrize("warps", [4, 8])
-def test_tq_decode_cluster_merge(warps, monkeypatch):
-    """CLUSTER_MERGE: the splits of each unit merged in one thread-block cluster equal the merge kernel's result
-    and float64, with a fully padded sequence (every split's lse -inf) and a half padded one, calls queued without a
-    sync; the launch must really be clustered (short contexts: <= 8 splits, 16 units, all co-resident on the H200)
-    and no merge kernel may run."""
-    import flashquant_hf.kernels.paged_decode as pd
-
-    monkeypatch.setattr(pd, "WARPS", warps)
-    c = centroids(128)
-    batch, kv_heads = 4, 4  # 16 units
-    k, kn, v, vn = random_cache(batch, kv_heads, 1000, 128, capacity_extra=64, seed=70 + warps)
-    for num_keys in (1000, 700, 300):
-        cache = (k[:, :, :num_keys], kn[:, :, :num_keys], v[:, :, :num_keys], vn[:, :, :num_keys])
-        q = torch.randn(batch, 8, 1, 128, device=DEV, dtype=torch.bfloat16)
-        bias = torch.zeros(batch, num_keys, device=DEV)
-        bias[1] = -math.inf
-        bias[2, ::2] = -math.inf
-        results = {}
-        for clustered in (True, False):
-            monkeypatch.setattr(pd, "CLUSTER_MERGE", clustered)
-            pd.clear_caches()
-            results[clustered] = [run(q, cache, c), run(q, cache, c, bias), run(q, cache, c)]
-            setups = list(pd._LAUNCHES.values())
-            assert len(setups) == 2 and all(1 < s.plan.splits <= pd.MAX_CLUSTER_SPLITS for s in setups)
-            assert all((s.cluster == s.plan.splits and s.merge is None) == clustered for s in setups), (
-                [(s.plan.splits, s.cluster) for s in setups])
-        for (a_out, a_lse), (b_out, b_lse) in zip(results[True], results[False]):
-            torch.testing.assert_close(a_out, b_out, rtol=1e-5, atol=1e-6)
-            assert torch.equal(torch.isfinite(a_lse), torch.isfinite(b_lse))
-            torch.testing.assert_close(a_lse, b_lse, rtol=1e-5, atol=1e-5)
-        assert torch.equal(results[True][0][0], results[True][2][0])
-        assert_close_rel(*results[True][0], *reference64(q, cache, c))
-        assert_close_rel(*results[True][1], *reference64(q, cache, c, bias))
-        assert torch.all(results[True][1][0][1] == 0) and torch.all(results[True][1][1][1] == -math.inf)
-    pd.clear_caches()
 
 
 def test_tq_decode_balanced_places(monkeypatch):
@@ -340,19 +301,4 @@ def test_tq_decode_balanced_places(monkeypatch):
         assert plans and all((p.long_splits is not None) == (speedup != 1.0) for p in plans), plans
     torch.testing.assert_close(results[1.09][0], results[1.0][0], rtol=2e-3, atol=2e-3)
     assert_close_rel(*results[1.09], *reference64(q, cache, c, bias))
-    pd.clear_caches()
-
-
-@pytest.mark.parametrize("options", [("-DFQD_KEY_PERMUTE=0",), ("-DFQD_RED_SWIZZLE_CONTIGUOUS=0",)])
-def test_tq_decode_layout_hooks(options, monkeypatch):
-    """The plain key order and the unswizzled reduction (version 11's A/B alternatives) stay correct."""
-    import flashquant_hf.kernels.paged_decode as pd
-
-    monkeypatch.setattr(pd, "KERNEL_OPTIONS", options)
-    pd.clear_caches()
-    c = centroids(128)
-    for num_keys in (4133, 97):
-        cache = random_cache(3, 2, num_keys, 128, capacity_extra=5, seed=96)
-        q = torch.randn(3, 8, 1, 128, device=DEV, dtype=torch.bfloat16)
-        assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
     pd.clear_caches()
