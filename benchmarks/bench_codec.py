@@ -7,10 +7,8 @@ so that no run finds its data in L2.
 
 Headline names: ``compress_hbm_fraction`` (best rotation path; docs/kernels_codec.md says which) and
 ``decompress_hbm_fraction`` (the rotated-space kernel the attention path uses). Per-path figures carry the
-path in the name. ``compress_hbm_fraction_hadamard_<variant>`` entries time compile-time variants of the
-Hadamard compress kernel (tensor-core transform: {thr, base} table layout, rows per warp, threads per CTA;
-the FWHT transform with 4 or 8 lanes per row), each checked against the default's indices; ``*_d64`` the same at head_dim 64 (8M rows,
-same bytes). ``decompress_*_lanes<k>`` time threads-per-row variants of the decompress kernels (default 8).
+path in the name; ``compress_hbm_fraction_hadamard_d64`` is the Hadamard compress at head_dim 64 (8M rows, the
+same bytes).
 
 ``python -m benchmarks.bench_codec --ncu-probe`` launches only the default compress kernel a few times at the
 benchmark's size (for ``ncu --kernel-name regex:tq_compress``).
@@ -28,22 +26,6 @@ ROWS = 4 * 1024 * 1024
 HEAD_DIM = 128
 BITS = 4
 DTYPE = torch.bfloat16
-# Decompress threads per row at D=128: the default (kernels.decompress.LANES[128]) and the variants timed beside it.
-DEFAULT_LANES = {"decompress": 8}
-VARIANT_LANES = {"decompress": (4, 16)}
-# Compile-time variants of tq_compress_hadamard: name -> (NVRTC options, FWHT lanes override).
-COMPRESS_VARIANTS: dict[str, tuple[tuple[str, ...], int | None]] = {
-    "mma_paired_table": (("-DFQ_MMA_TABLE_PAIRED=1",), None),
-    "mma_rows16": (("-DFQ_MMA_ROWS=16",), None),
-    "mma_threads256": (("-DFQ_MMA_THREADS=256",), None),
-    "fwht_lanes4": (("-DFQ_HADAMARD_MMA=0",), 4),
-    "fwht_lanes8": (("-DFQ_HADAMARD_MMA=0", "-DFQ_HADAMARD_LANES_128=8"), 8),
-}
-D64_VARIANTS: dict[str, tuple[tuple[str, ...], int | None]] = {"default": ((), None), "fwht": (("-DFQ_HADAMARD_MMA=0",), 4)}
-
-
-def _variant_options(kind: str, lanes: int) -> tuple[str, ...]:
-    return () if lanes == DEFAULT_LANES[kind] else (f"-DFQ_DECOMPRESS_LANES_128={lanes}",)
 
 
 def _precompile(device: torch.device) -> None:
@@ -52,18 +34,12 @@ def _precompile(device: torch.device) -> None:
     from flashquant_hf.kernels import decompress as kd
     from flashquant_hf.kernels import loader
 
-    jobs = [(kc.CUDA_SOURCE, kc.kernel_name(p, HEAD_DIM, BITS, DTYPE), ()) for p in kc.ROTATION_PATHS]
-    jobs += [(kd.CUDA_SOURCE, kd.kernel_name(k, HEAD_DIM, BITS, t), ())
+    jobs = [(kc.CUDA_SOURCE, kc.kernel_name(p, HEAD_DIM, BITS, DTYPE)) for p in kc.ROTATION_PATHS]
+    jobs += [(kd.CUDA_SOURCE, kd.kernel_name(k, HEAD_DIM, BITS, t))
              for k, t in (("dequantize_rotated", DTYPE), ("dequantize_rotated", torch.float32), ("decompress_hadamard", DTYPE))]
-    for options, _ in COMPRESS_VARIANTS.values():
-        jobs.append((kc.CUDA_SOURCE, kc.kernel_name("hadamard", HEAD_DIM, BITS, DTYPE), options))
-    for options, _ in D64_VARIANTS.values():
-        jobs.append((kc.CUDA_SOURCE, kc.kernel_name("hadamard", 64, BITS, DTYPE), options))
-    for lanes in VARIANT_LANES["decompress"]:
-        for k in kd.KERNELS:
-            jobs.append((kd.CUDA_SOURCE, kd.kernel_name(k, HEAD_DIM, BITS, DTYPE), _variant_options("decompress", lanes)))
+    jobs.append((kc.CUDA_SOURCE, kc.kernel_name("hadamard", 64, BITS, DTYPE)))
     with ThreadPoolExecutor(max_workers=16) as pool:
-        list(pool.map(lambda j: loader.get_kernel(j[0], j[1], device, j[2]), jobs))
+        list(pool.map(lambda j: loader.get_kernel(j[0], j[1], device), jobs))
 
 
 def run(record) -> None:
@@ -91,10 +67,10 @@ def run(record) -> None:
     packs = [torch.empty(ROWS, nbytes, dtype=torch.uint8, device=device) for _ in range(sets)]
     norms = [torch.empty(ROWS, device=device) for _ in range(sets)]
 
-    def compress_fns(rotation, signs, options=(), lanes=None):
+    def compress_fns(rotation, signs):
         return [
             (lambda i=i: kc.launch_compress(xs[i], rotation, boundaries, BITS, centroids, False, signs, packs[i],
-                                            norms[i], options, lanes))
+                                            norms[i]))
             for i in range(sets)
         ]
 
@@ -113,7 +89,7 @@ def run(record) -> None:
     for name, (rotation, signs) in rotations.items():
         kc.launch_compress(xs[0], rotation, boundaries, BITS, centroids, False, signs, packs[0], norms[0])
         reference_codes[name] = (packs[0].clone(), norms[0].clone())
-    codes_h, norms_h = reference_codes["hadamard"]
+    norms_h = reference_codes["hadamard"][1]
     # Correctness at the benchmark's size (first 64K rows) against the reference, so that this run's numbers
     # come with their own check: indices differing away from a boundary (must be 0), norms' relative error.
     from flashquant_hf.reference.compress import compress as reference_compress
@@ -131,17 +107,7 @@ def run(record) -> None:
         norm_err = ((reference_codes[name][1][:check_rows] - ref_norms).abs() / ref_norms).max().item()
         record(f"compress_check_norm_rel_err_{name}", norm_err, "relative", "< 1e-5")
 
-    # Compile-time variants of the Hadamard compress kernel (same results up to float-rounding ties).
-    rotation, signs = rotations["hadamard"]
-    for variant, (options, lanes) in COMPRESS_VARIANTS.items():
-        ms = time_ms(compress_fns(rotation, signs, options, lanes))
-        record(f"compress_ms_hadamard_{variant}", ms, "ms")
-        record(f"compress_hbm_fraction_hadamard_{variant}", (in_bytes + code_bytes) / (ms * 1e-3) / 1e9 / copy_gbs, "fraction")
-        kc.launch_compress(xs[0], rotation, boundaries, BITS, centroids, False, signs, packs[0], norms[0], options, lanes)
-        differ = (unpack_indices(packs[0][: 1 << 16], BITS, HEAD_DIM) != unpack_indices(codes_h[: 1 << 16], BITS, HEAD_DIM))
-        record(f"compress_{variant}_index_mismatch_fraction", differ.float().mean().item(), "fraction", "< 1e-4")
-
-    # head_dim 64 (twice the rows, the same bytes): tensor-core default against the FWHT.
+    # head_dim 64 (twice the rows, the same bytes).
     _compress_d64(record, copy_gbs)
 
     # ---- decompress: codes and norms read + bf16 written
@@ -151,9 +117,9 @@ def run(record) -> None:
     ]
     outs = [torch.empty(ROWS, HEAD_DIM, dtype=DTYPE, device=device) for _ in range(sets)]
 
-    def decompress_fns(signs, options=(), lanes=None):
+    def decompress_fns(signs):
         return [
-            (lambda i=i: kd.launch_decompress(codes[i][0], codes[i][1], centroids, BITS, signs, outs[i], options, lanes))
+            (lambda i=i: kd.launch_decompress(codes[i][0], codes[i][1], centroids, BITS, signs, outs[i]))
             for i in range(sets)
         ]
 
@@ -177,14 +143,6 @@ def run(record) -> None:
     want = reference_decompress(sub_codes, sub_norms, rotations["hadamard"][0], centroids, BITS, HEAD_DIM).double()
     gap = (reference_out["hadamard"][:check_rows].double() - want).abs().amax(-1) / want.abs().amax(-1).clamp_min(1e-30)
     record("decompress_check_hadamard_rel_err", gap.max().item(), "relative", "<= 1e-3 + bf16 ulp (0.0078)")
-    for lanes in VARIANT_LANES["decompress"]:
-        options = _variant_options("decompress", lanes)
-        for signs_name, signs in (("rotated", None), ("hadamard", rotations["hadamard"][1])):
-            ms = time_ms(decompress_fns(signs, options, lanes))
-            record(f"decompress_hbm_fraction_{signs_name}_lanes{lanes}", (code_bytes + out_bytes) / (ms * 1e-3) / 1e9 / copy_gbs, "fraction")
-            kd.launch_decompress(codes[0][0], codes[0][1], centroids, BITS, signs, outs[0], options, lanes)
-            gap = (outs[0].float() - reference_out[signs_name].float()).abs().max().item()
-            record(f"decompress_{signs_name}_lanes{lanes}_max_abs_diff", gap, "abs", "0 for rotated; ~1 bf16 ulp for hadamard")
 
     # Full decompress with a dense (Haar) rotation: rotated-space kernel in fp32 + one fp32 GEMM (no TF32).
     haar = rotations["haar"][0]
@@ -198,7 +156,7 @@ def run(record) -> None:
 def _compress_d64(record, copy_gbs: float) -> None:
     from flashquant_hf.codebook import lloyd_max_codebook
     from flashquant_hf.kernels import compress as kc
-    from flashquant_hf.packing import packed_size, unpack_indices
+    from flashquant_hf.packing import packed_size
     from flashquant_hf.rotation import hadamard_signs, random_rotation
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -213,19 +171,12 @@ def _compress_d64(record, copy_gbs: float) -> None:
     xs = [torch.randn(rows, head_dim, device=device, dtype=DTYPE) for _ in range(sets)]
     packs = [torch.empty(rows, nbytes, dtype=torch.uint8, device=device) for _ in range(sets)]
     norms = [torch.empty(rows, device=device) for _ in range(sets)]
-    codes = {}
-    for variant, (options, lanes) in D64_VARIANTS.items():
-        fns = [
-            (lambda i=i: kc.launch_compress(xs[i], rotation, boundaries, BITS, centroids, False, signs, packs[i],
-                                            norms[i], options, lanes))
-            for i in range(sets)
-        ]
-        ms = time_ms(fns)
-        record(f"compress_hbm_fraction_hadamard_d64_{variant}", moved / (ms * 1e-3) / 1e9 / copy_gbs, "fraction")
-        fns[0]()
-        codes[variant] = unpack_indices(packs[0][: 1 << 16], BITS, head_dim)
-    differ = (codes["default"] != codes["fwht"]).float().mean().item()
-    record("compress_d64_default_vs_fwht_index_mismatch_fraction", differ, "fraction", "< 1e-4")
+    fns = [
+        (lambda i=i: kc.launch_compress(xs[i], rotation, boundaries, BITS, centroids, False, signs, packs[i], norms[i]))
+        for i in range(sets)
+    ]
+    ms = time_ms(fns)
+    record("compress_hbm_fraction_hadamard_d64", moved / (ms * 1e-3) / 1e9 / copy_gbs, "fraction")
 
 
 def _ncu_probe() -> None:

@@ -11,6 +11,8 @@
 // (~1e-7) of a boundary. Output: packed [rows, D*BITS/8] uint8 and norms [rows] fp32, both contiguous.
 // Input rows are addressed through collapsed leading dimensions [n0, n1, n2] with element strides; the last
 // dimension is contiguous and every row starts 16-byte aligned (the wrapper guarantees it).
+//
+// Build switches: none (the wrapper, kernels/compress.py, compiles every instantiation without options).
 #include "utils.cuh"
 
 namespace fq_compress {
@@ -67,18 +69,17 @@ struct TableSmem {
     static constexpr int NFULL = 256;
     float thr[NCELL];
     int base[NCELL];
-    // Full-range map, two layouts (FQ_MMA_TABLE_PAIRED picks one): split arrays, fbase exactly NFULL * 4
-    // bytes after fthr (two conflict-free 4-byte loads from one address), or {thr, base} pairs (one 8-byte
-    // load, but lanes whose cells are 16 apart hit the same banks).
+    // Full-range map as split arrays, fbase exactly NFULL * 4 bytes after fthr: two conflict-free 4-byte loads
+    // from one address ({thr, base} pairs would take one 8-byte load, but lanes whose cells are 16 apart would hit
+    // the same banks).
     float fthr[NFULL];
     int fbase[NFULL];
-    float2 fullv[NFULL];
     float bnd[16];
     int bcell[16];
     int fcell[16];
     float a, c, fa, fc;
     int slow, full_ok;
-    unsigned full_addr_bias4, full_addr_bias8;  // see TableBucketizer
+    unsigned full_addr_bias;  // see TableBucketizer
 };
 
 // stream * 16 + base + (y >= thr): a shift-add and a predicated increment.
@@ -88,22 +89,11 @@ __device__ __forceinline__ unsigned push_cell(unsigned stream, int base, float y
     return stream;
 }
 
-#ifndef FQ_MMA_TABLE_PAIRED
-#define FQ_MMA_TABLE_PAIRED 0
-#endif
-
-// {thr, base} of a full-range cell at a shared-memory byte address (of fthr[cell], or of fullv[cell] when
-// paired); volatile keeps it after the __syncthreads that publishes the table (the compiler cannot see that
-// the asm reads it).
+// {thr, base} of a full-range cell at the shared-memory byte address of fthr[cell]; volatile keeps it after the
+// __syncthreads that publishes the table (the compiler cannot see that the asm reads it).
 __device__ __forceinline__ void load_full_cell(unsigned addr, float& thr, int& base) {
-#if FQ_MMA_TABLE_PAIRED
-    float b;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(thr), "=f"(b) : "r"(addr));
-    base = __float_as_int(b);
-#else
     asm volatile("ld.shared.f32 %0, [%2];\n\tld.shared.b32 %1, [%2+%3];"
                  : "=f"(thr), "=r"(base) : "r"(addr), "n"(TableSmem::NFULL * 4));
-#endif
 }
 
 template <int NB>
@@ -115,10 +105,10 @@ struct TableBucketizer {
     // float's bit pattern is then MAGIC_BITS + that integer.
     static constexpr float MAGIC = 12582912.0f;
     static constexpr unsigned MAGIC_BITS = 0x4B400000u;
-    static constexpr int FULL_SHIFT = FQ_MMA_TABLE_PAIRED ? 3 : 2;  // log2 of the full-range entry stride
+    static constexpr int FULL_SHIFT = 2;  // log2 of the full-range entry stride (4-byte fthr entries)
     const TableSmem* s;
     float a, c, fa, fc;
-    // Shared-memory byte address of fthr[0] (fullv[0] when paired) minus MAGIC_BITS << FULL_SHIFT (mod 2^32):
+    // Shared-memory byte address of fthr[0] minus MAGIC_BITS << FULL_SHIFT (mod 2^32):
     // adding (bits << FULL_SHIFT) of the rounded float gives the cell's address in one shift-add, without
     // masking off the exponent.
     unsigned full_addr_bias;
@@ -199,8 +189,7 @@ struct TableBucketizer {
             sm.full_ok = fits ? 1 : 0;
             // Read back after the barrier: values the compiler cannot fold, so it keeps one shift-add (LEA)
             // per lookup instead of splitting the constant off into a separate add.
-            sm.full_addr_bias4 = fq::smem_addr(&sm.fthr[0]) - (MAGIC_BITS << 2);
-            sm.full_addr_bias8 = fq::smem_addr(&sm.fullv[0]) - (MAGIC_BITS << 3);
+            sm.full_addr_bias = fq::smem_addr(&sm.fthr[0]) - (MAGIC_BITS << FULL_SHIFT);
         }
         __syncthreads();
         a = sm.a;
@@ -243,12 +232,10 @@ struct TableBucketizer {
             }
             sm.fthr[cellk] = t;
             sm.fbase[cellk] = below;
-            sm.fullv[cellk] = float2{t, __int_as_float(below)};
             if (inside > 1) sm.full_ok = 0;
         }
         __syncthreads();
-        if (FULL)
-            full_addr_bias = *static_cast<volatile unsigned*>(FQ_MMA_TABLE_PAIRED ? &sm.full_addr_bias8 : &sm.full_addr_bias4);
+        if (FULL) full_addr_bias = *static_cast<volatile unsigned*>(&sm.full_addr_bias);
     }
 };
 
@@ -320,26 +307,14 @@ __device__ __forceinline__ float stored_norm(float n, float csq, bool norm_corre
 // Hadamard path
 // -------------------------------------------------------------------------------------------------
 
-// Lanes per row of the Hadamard kernels: each thread holds E = D / LANES coordinates. Fewer lanes mean fewer
-// shuffle stages (the kernel is issue-bound) but more registers. Measured on the H200 at D = 128, bf16, TQ4:
-// 4 lanes 0.545 of the copy bandwidth (~128 registers), 8 lanes 0.494 (64), 16 lanes 0.418 (40). Defaults:
-// E = 16, except 16-bit inputs at D = 128 (E = 32; fp32 input would need 183 registers there).
-// -DFQ_HADAMARD_LANES_<D>=<lanes> overrides the choice for every dtype (the benchmark times variants).
-#ifndef FQ_HADAMARD_LANES_64
-#define FQ_HADAMARD_LANES_64 4
-#endif
-#ifndef FQ_HADAMARD_LANES_256
-#define FQ_HADAMARD_LANES_256 16
-#endif
-
+// Lanes per row of the FWHT kernels: each thread holds E = D / LANES coordinates. Fewer lanes mean fewer
+// shuffle stages (the kernel is issue-bound) but more registers: at D = 128, bf16, TQ4 on the H200, 4 lanes reach
+// 0.545 of the copy bandwidth (~128 registers), 8 lanes 0.494 (64), 16 lanes 0.418 (40). So E = 16, except 16-bit
+// inputs at D = 128 (E = 32; fp32 input would need 183 registers there).
 template <int D, typename T>
 __host__ __device__ constexpr int hadamard_lanes() {
-#ifdef FQ_HADAMARD_LANES_128
-    constexpr int lanes128 = FQ_HADAMARD_LANES_128;
-#else
     constexpr int lanes128 = fq::DType<T>::BYTES == 2 ? 4 : 8;
-#endif
-    return D == 64 ? FQ_HADAMARD_LANES_64 : D == 128 ? lanes128 : FQ_HADAMARD_LANES_256;
+    return D == 64 ? 4 : D == 128 ? lanes128 : 16;
 }
 
 template <int D, int BITS, typename T>
@@ -456,42 +431,32 @@ __device__ __forceinline__ void compress_hadamard_rows(
 // loaded: position j = e + 2 * (row half) + 4h. Norms: sum of y_raw^2 over the row (= D ||x||^2).
 // -------------------------------------------------------------------------------------------------
 
-#ifndef FQ_HADAMARD_MMA
-#define FQ_HADAMARD_MMA 1
-#endif
-// Rows per warp and iteration (8 or 16: one or two 8-row sub-tiles), threads per CTA and the register cap
-// through the warps to keep per SM (65536 / (32 * warps) registers per thread).
-#ifndef FQ_MMA_ROWS
-#define FQ_MMA_ROWS 8
-#endif
-#ifndef FQ_MMA_THREADS
-#define FQ_MMA_THREADS 128
-#endif
-#ifndef FQ_MMA_WARPS_PER_SM
-#define FQ_MMA_WARPS_PER_SM (FQ_MMA_ROWS == 8 ? 16 : 12)
-#endif
+// Rows per warp and iteration (one 8-row sub-tile), threads per CTA and the warps to keep per SM, which cap the
+// registers at 65536 / (32 * warps) per thread.
+constexpr int MMA_ROWS = 8;
+constexpr int MMA_THREADS = 128;
+constexpr int MMA_WARPS_PER_SM = 16;
 
 template <int D, typename T>
 __host__ __device__ constexpr bool hadamard_mma() {
-    return FQ_HADAMARD_MMA != 0 && (D == 64 || D == 128) && fq::DType<T>::BYTES == 2;
+    return (D == 64 || D == 128) && fq::DType<T>::BYTES == 2;
 }
 
 template <int D, typename T>
 struct HadamardLaunch {
     static constexpr bool MMA = hadamard_mma<D, T>();
-    static constexpr int THREADS = MMA ? FQ_MMA_THREADS : 256;
-    static constexpr int MIN_BLOCKS = MMA ? (FQ_MMA_WARPS_PER_SM * 32 + THREADS - 1) / THREADS : 0;
+    static constexpr int THREADS = MMA ? MMA_THREADS : 256;
+    static constexpr int MIN_BLOCKS = MMA ? (MMA_WARPS_PER_SM * 32 + THREADS - 1) / THREADS : 0;
 };
 
 template <int D, int BITS>
 struct MmaShape : CodecShape<D, BITS> {
     static constexpr int NI = D / 32;  // chunks per lane and row: t + 4i
     static constexpr int KB = D / 16;  // k-blocks = values of the B bits: (mma row half) + 2i
-    static constexpr int SUB = FQ_MMA_ROWS / 8;  // 8-row sub-tiles per iteration
+    static constexpr int SUB = MMA_ROWS / 8;  // 8-row sub-tiles per iteration
     static constexpr float SQRT_D = D == 64 ? 8.f : 11.313708498984761f;
     static constexpr float INV_D = 1.f / D;
     static_assert(D == 64 || D == 128, "tensor-core Hadamard path: D = 64 or 128");
-    static_assert(FQ_MMA_ROWS == 8 || FQ_MMA_ROWS == 16, "FQ_MMA_ROWS must be 8 or 16");
 };
 
 // Raw input of one iteration held by one lane: [sub-tile][i], row = tile * ROWS + 8 * sub + g.
@@ -646,7 +611,7 @@ __device__ __forceinline__ void compress_mma_subtile(const uint4 (&raw)[D / 32],
     if (valid && t == 0) norms[r] = stored_norm(n, csq, NC);
 }
 
-// Persistent loop over tiles of FQ_MMA_ROWS rows, one warp per tile. Two input buffers used alternately (no
+// Persistent loop over tiles of MMA_ROWS rows, one warp per tile. Two input buffers used alternately (no
 // register copies between iterations); the loads of the next tile are issued before the current one is used.
 template <int D, int BITS, typename T, bool NC, int MODE>
 __device__ __forceinline__ void compress_mma_rows(
@@ -654,7 +619,7 @@ __device__ __forceinline__ void compress_mma_rows(
     unsigned rows, const Bucketizer<BITS>& bucket, const unsigned (&bfrag)[2][2], const uint4 (&smask)[D / 32],
     const float* s_csq, unsigned char* __restrict__ packed, float* __restrict__ norms) {
     using S = MmaShape<D, BITS>;
-    constexpr int WARPS = HadamardLaunch<D, T>::THREADS / 32, ROWS = FQ_MMA_ROWS;
+    constexpr int WARPS = HadamardLaunch<D, T>::THREADS / 32, ROWS = MMA_ROWS;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const unsigned stride = gridDim.x * WARPS;
     unsigned tile = blockIdx.x * WARPS + threadIdx.x / 32;
@@ -709,24 +674,24 @@ tq_compress_hadamard(
         uint4 smask[D / 32];
         hadamard_sign_masks<D>(signs, lane & 3, smask);
         __syncthreads();
-#define FQ_MMA_ROWS_CALL(NC, MODE) \
+#define MMA_ROWS_CALL(NC, MODE) \
     compress_mma_rows<D, BITS, T, NC, MODE>(x, sx0, sx1, sx2, d1, d2, urows, bucket, bfrag, smask, s_csq, packed, norms)
         if constexpr (BITS < 4) {  // register bucketize: no table modes
-            if (norm_correction) FQ_MMA_ROWS_CALL(true, 1);
-            else FQ_MMA_ROWS_CALL(false, 1);
+            if (norm_correction) MMA_ROWS_CALL(true, 1);
+            else MMA_ROWS_CALL(false, 1);
         } else {
             // Boundaries too close for the full-range table (or otherwise unusual): exact scan. Two modes only,
             // to keep the instantiation's code (and NVRTC time) small.
             const bool full = bucket.full_ok();  // uniform over the block
             if (norm_correction) {
-                if (full) FQ_MMA_ROWS_CALL(true, 0);
-                else FQ_MMA_ROWS_CALL(true, 2);
+                if (full) MMA_ROWS_CALL(true, 0);
+                else MMA_ROWS_CALL(true, 2);
             } else {
-                if (full) FQ_MMA_ROWS_CALL(false, 0);
-                else FQ_MMA_ROWS_CALL(false, 2);
+                if (full) MMA_ROWS_CALL(false, 0);
+                else MMA_ROWS_CALL(false, 2);
             }
         }
-#undef FQ_MMA_ROWS_CALL
+#undef MMA_ROWS_CALL
         return;
     }
     // One bit per coordinate of this thread: set where the Hadamard sign is negative.

@@ -11,21 +11,11 @@
 // sectors. Each thread issues the loads of its next row before it works on the current one. The packed
 // and norm inputs may be strided views (the cache's [:, :, :N]): rows are addressed through collapsed
 // leading dimensions [n0, n1, n2] with separate element strides for packed and norms. Output is contiguous.
+//
+// Build switches: none (the wrapper, kernels/decompress.py, compiles every instantiation without options).
 #include "utils.cuh"
 
 namespace fq_decompress {
-
-// Lanes per row: each thread holds D / LANES coordinates (default 16, the compress kernel's choice).
-// Benchmarks may compile other values with -DFQ_DECOMPRESS_LANES_<D>=<lanes>.
-#ifndef FQ_DECOMPRESS_LANES_64
-#define FQ_DECOMPRESS_LANES_64 4
-#endif
-#ifndef FQ_DECOMPRESS_LANES_128
-#define FQ_DECOMPRESS_LANES_128 8
-#endif
-#ifndef FQ_DECOMPRESS_LANES_256
-#define FQ_DECOMPRESS_LANES_256 16
-#endif
 
 template <int D, int BITS>
 struct Shape {
@@ -34,7 +24,7 @@ struct Shape {
     static constexpr int THREADS = 256;
     static constexpr int LEVELS = 1 << BITS;
     static constexpr int PACKED = D * BITS / 8;
-    static constexpr int LANES = D == 64 ? FQ_DECOMPRESS_LANES_64 : D == 128 ? FQ_DECOMPRESS_LANES_128 : FQ_DECOMPRESS_LANES_256;
+    static constexpr int LANES = D / 16;  // lanes per row: 16 coordinates per thread, as in the compress kernel
     static constexpr int V = (D / 8) / LANES;
     static constexpr int E = V * 8;
     static constexpr int ROWS_PER_CTA = THREADS / LANES;

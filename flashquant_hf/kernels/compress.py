@@ -63,33 +63,22 @@ def hadamard_lanes(head_dim: int, dtype: torch.dtype) -> int:
     return {64: 4, 128: 8, 256: 16}[head_dim]
 
 
-def _macros(options: Sequence[str]) -> dict[str, str]:
-    """``-DNAME=VALUE`` NVRTC options as a dict (``-DNAME`` alone gives "1")."""
-    out = {}
-    for opt in options:
-        if opt.startswith("-D"):
-            name, _, value = opt[2:].partition("=")
-            out[name] = value or "1"
-    return out
-
-
-def hadamard_uses_mma(head_dim: int, dtype: torch.dtype, options: Sequence[str] = ()) -> bool:
+def hadamard_uses_mma(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether ``tq_compress_hadamard`` runs its tensor-core transform (cuda/compress.cu ``hadamard_mma``):
-    16-bit inputs at head_dim 64 or 128, unless compiled with ``-DFQ_HADAMARD_MMA=0``."""
-    enabled = int(_macros(options).get("FQ_HADAMARD_MMA", "1")) != 0
-    return enabled and head_dim in (64, 128) and dtype in (torch.float16, torch.bfloat16)
+    16-bit inputs at head_dim 64 or 128."""
+    return head_dim in (64, 128) and dtype in (torch.float16, torch.bfloat16)
 
 
-def hadamard_launch(
-    head_dim: int, dtype: torch.dtype, options: Sequence[str] = (), lanes_override: int | None = None
-) -> tuple[int, int]:
-    """(threads per CTA, rows per CTA and loop iteration) of ``tq_compress_hadamard`` compiled with ``options``
-    (cuda/compress.cu ``HadamardLaunch``: the tensor-core kernel gives each warp FQ_MMA_ROWS rows)."""
-    if hadamard_uses_mma(head_dim, dtype, options):
-        macros = _macros(options)
-        threads = int(macros.get("FQ_MMA_THREADS", "128"))
-        return threads, threads // 32 * int(macros.get("FQ_MMA_ROWS", "8"))
-    return THREADS, THREADS // (lanes_override or hadamard_lanes(head_dim, dtype))
+MMA_THREADS = 128  # threads per CTA of the tensor-core transform (cuda/compress.cu MMA_THREADS)
+MMA_ROWS = 8  # rows per warp and loop iteration (MMA_ROWS)
+
+
+def hadamard_launch(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(threads per CTA, rows per CTA and loop iteration) of ``tq_compress_hadamard`` (cuda/compress.cu
+    ``HadamardLaunch``: the tensor-core kernel gives each warp MMA_ROWS rows)."""
+    if hadamard_uses_mma(head_dim, dtype):
+        return MMA_THREADS, MMA_THREADS // 32 * MMA_ROWS
+    return THREADS, THREADS // hadamard_lanes(head_dim, dtype)
 
 
 # Dense kernel: rows per tile, dynamic shared memory, and CTAs that fit on one SM (registers / shared memory).
@@ -264,16 +253,8 @@ def launch_compress(
     hadamard_signs: torch.Tensor | None,
     packed: torch.Tensor,
     norms: torch.Tensor,
-    options: Sequence[str] = (),
-    hadamard_lanes_override: int | None = None,
 ) -> None:
-    """Launch the compress kernel into preallocated contiguous ``packed``/``norms`` (no validation).
-
-    ``options`` are extra NVRTC options selecting compile-time variants (benchmarks and tests):
-    ``-DFQ_HADAMARD_MMA=0`` (FWHT instead of the tensor-core transform), ``-DFQ_MMA_ROWS=16``,
-    ``-DFQ_MMA_THREADS=256``, ``-DFQ_HADAMARD_LANES_128=8`` (FWHT; pass the matching
-    ``hadamard_lanes_override``). The launch shape follows them (:func:`hadamard_launch`).
-    """
+    """Launch the compress kernel into preallocated contiguous ``packed``/``norms`` (no validation)."""
     head_dim = x.shape[-1]
     x = aligned_rows(x, 16)
     layout = collapse_rows(x.shape[:-1], x.stride()[:-1])
@@ -290,7 +271,7 @@ def launch_compress(
         rotation = rotation.clone(memory_format=torch.contiguous_format)
     threads = THREADS
     if hadamard_signs is not None:
-        threads, rows_per_cta = hadamard_launch(head_dim, x.dtype, options, hadamard_lanes_override)
+        threads, rows_per_cta = hadamard_launch(head_dim, x.dtype)
         groups = -(-rows // rows_per_cta)
         grid = min(groups, sm_count(index) * _WAVES)
         name, table, smem = kernel_name("hadamard", head_dim, bits, x.dtype), hadamard_signs.contiguous(), 0
@@ -298,7 +279,7 @@ def launch_compress(
         tiles = -(-rows // _DENSE_ROWS[head_dim])
         grid = min(tiles, sm_count(index) * _DENSE_CTAS_PER_SM[head_dim] * 4)
         name, table, smem = kernel_name("dense", head_dim, bits, x.dtype), rotation, dense_smem_bytes(head_dim)
-    kernel = loader.get_kernel(CUDA_SOURCE, name, device, options)
+    kernel = loader.get_kernel(CUDA_SOURCE, name, device)
     args = (
         x, np.int64(strides[0]), np.int64(strides[1]), np.int64(strides[2]),
         *fast_divider(sizes[1]), *fast_divider(sizes[2]), rows,

@@ -9,7 +9,7 @@ with ``rotation`` (docs/kernels_codec.md says why). Importing this module does n
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ def kernel_name(kernel: str, head_dim: int, bits: int, dtype: torch.dtype) -> st
 # Output dtypes come from the same table as the compress input dtypes.
 NAME_EXPRESSIONS: tuple[str, ...] = tuple(kernel_name(k, d, b, t) for k in KERNELS for d, b, t in SUPPORTED)
 
-# Threads per row (cuda/decompress.cu FQ_DECOMPRESS_LANES_<D>): 16 coordinates each.
+# Threads per row (cuda/decompress.cu Shape::LANES): 16 coordinates each.
 LANES = {64: 4, 128: 8, 256: 16}
 _WAVES = 16
 
@@ -180,14 +180,11 @@ def launch_decompress(
     bits: int,
     hadamard_signs: torch.Tensor | None,
     out: torch.Tensor,
-    options: Sequence[str] = (),
-    lanes: int | None = None,
 ) -> None:
     """Launch a decompress kernel into a preallocated contiguous ``out [..., D]`` (no validation).
 
     ``hadamard_signs`` given: inverse Hadamard rotation fused (``tq_decompress_hadamard``); None: rotated
-    space (``tq_dequantize_rotated``). ``options``/``lanes``: NVRTC variants for benchmarks
-    (``-DFQ_DECOMPRESS_LANES_128=16`` with ``lanes=16``).
+    space (``tq_dequantize_rotated``).
     """
     head_dim = out.shape[-1]
     packed = aligned_rows(packed, 4 if bits == 4 else 2 if bits == 2 else 1)
@@ -199,10 +196,10 @@ def launch_decompress(
     sizes, (sp, sn) = layout
     rows = out.numel() // head_dim
     device = packed.device
-    groups = -(-rows // (THREADS // (lanes or LANES[head_dim])))
+    groups = -(-rows // (THREADS // LANES[head_dim]))
     grid = min(groups, sm_count(device_index(device)) * _WAVES)
     kernel_kind = "decompress_hadamard" if hadamard_signs is not None else "dequantize_rotated"
-    kernel = loader.get_kernel(CUDA_SOURCE, kernel_name(kernel_kind, head_dim, bits, out.dtype), device, options)
+    kernel = loader.get_kernel(CUDA_SOURCE, kernel_name(kernel_kind, head_dim, bits, out.dtype), device)
     args = [
         packed, np.int64(sp[0]), np.int64(sp[1]), np.int64(sp[2]),
         norms, np.int64(sn[0]), np.int64(sn[1]), np.int64(sn[2]),
