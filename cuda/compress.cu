@@ -189,7 +189,7 @@ struct TableBucketizer {
             sm.full_ok = fits ? 1 : 0;
             // Read back after the barrier: values the compiler cannot fold, so it keeps one shift-add (LEA)
             // per lookup instead of splitting the constant off into a separate add.
-            sm.full_addr_bias = fq::smem_addr(&sm.fthr[0]) - (MAGIC_BITS << FULL_SHIFT);
+            sm.full_addr_bias = smem_addr(&sm.fthr[0]) - (MAGIC_BITS << FULL_SHIFT);
         }
         __syncthreads();
         a = sm.a;

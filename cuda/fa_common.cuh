@@ -13,6 +13,10 @@
 // by defining FA_HOST_EMULATION as the name of a header that implements them (the rest is plain C++).
 #pragma once
 
+#ifndef FA_HOST_EMULATION
+#include "smem.cuh"
+#endif
+
 namespace fa {
 
 typedef unsigned int u32;
@@ -33,7 +37,6 @@ constexpr float kLn2 = 0.6931471805599453f;
 #define FA_HD __host__ __device__ __forceinline__
 
 FA_INLINE float neg_inf() { return __int_as_float(0xff800000u); }
-FA_INLINE u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 FA_INLINE u32 dynamic_smem_bytes() { u32 r; asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r)); return r; }
 FA_INLINE void block_sync() { __syncthreads(); }
 FA_INLINE float shfl_xor(float x, int mask) { return __shfl_xor_sync(0xffffffffu, x, mask); }

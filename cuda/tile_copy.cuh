@@ -4,14 +4,12 @@
 #ifndef FQ_TILE_COPY_CUH
 #define FQ_TILE_COPY_CUH
 
-__device__ __forceinline__ unsigned int shared_address(const void* p) {
-  return static_cast<unsigned int>(__cvta_generic_to_shared(p));
-}
+#include "smem.cuh"
 
 // One arrival (the copy's issuing thread) per phase; visible to the copy engine after fence_barrier_init.
 __device__ __forceinline__ void barrier_init(unsigned long long* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
 #else
   __trap();
 #endif
@@ -27,11 +25,11 @@ __device__ __forceinline__ void fence_barrier_init() {
 // completes when they have landed. The shared bytes' previous readers must be done (see copy_tile's caller).
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const unsigned int b = shared_address(bar);
+  const unsigned int b = smem_addr(bar);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads of dst before the engine's writes
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(b) : "memory");
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(b) : "memory");
 #else
   __trap();
 #endif
@@ -46,7 +44,7 @@ __device__ __forceinline__ void barrier_wait(unsigned long long* bar, unsigned i
       "wait_%=:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra wait_%=;\n"
-      "}\n" ::"r"(shared_address(bar)), "r"(parity) : "memory");
+      "}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 #else
   __trap();
 #endif

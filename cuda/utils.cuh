@@ -1,15 +1,17 @@
-// flashquant-hf shared device helpers: header-only, device-only, everything __forceinline__.
-//
-// Included by every kernel source as `#include "utils.cuh"`; kernels/loader.py inlines it before NVRTC
-// sees the code (so a changed header changes CuPy's cache key). Nothing here is a kernel.
+// Device helpers of the codec kernels (compress.cu, decompress.cu): header-only, device-only, everything
+// __forceinline__. kernels/loader.py inlines it into each source before NVRTC sees the code (so a changed header
+// changes CuPy's cache key). Nothing here is a kernel.
 //
 // Contents: fp16/bf16/fp32 <-> fp32 conversions on raw bits (no dependence on the operator overloads of
 // cuda_fp16.h / cuda_bf16.h, which vary between CUDA versions), 16-byte vector loads/stores, warp and
-// block reductions through shuffles, exp2 helpers, and mma.sync / ldmatrix wrappers for tensor cores.
+// block reductions through shuffles, exp2 helpers, mma.sync wrappers for tensor cores, and the TurboQuant
+// bit-stream primitives.
 #ifndef FQ_UTILS_CUH
 #define FQ_UTILS_CUH
 
-// The storage types __half / __nv_bfloat16 name the template arguments of every kernel. Take them from
+#include "smem.cuh"
+
+// The storage types __half / __nv_bfloat16 name the template arguments of the codec kernels. Take them from
 // CUDA's headers when NVRTC (or nvcc) can see them; otherwise declare storage-only stand-ins so this
 // header never fails to compile on a machine whose CuPy finds no CUDA include directory.
 #if !defined(FQ_NO_CUDA_FP_HEADERS) && defined(__has_include)
@@ -251,7 +253,7 @@ __device__ __forceinline__ float fast_log2(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Tensor cores (sm_80+): mma.sync m16n8k16 with fp32 accumulation, and ldmatrix.
+// Tensor cores (sm_80+): mma.sync m16n8k16 with fp32 accumulation.
 // Fragment layouts are the PTX ISA's ("Matrix Fragments for mma.m16n8k16"): A row-major 16x16 in four
 // 32-bit registers of two 16-bit values, B column-major 16x8 in two, C/D 16x8 fp32 in four.
 // ---------------------------------------------------------------------------------------------------
@@ -282,35 +284,6 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[
                                              const float (&c)[4]) {
     static_assert(DType<T>::BYTES == 2, "mma_m16n8k16 takes __half or __nv_bfloat16");
     if constexpr (DType<T>::IS_HALF) mma_m16n8k16_f16(d, a, b, c); else mma_m16n8k16_bf16(d, a, b, c);
-}
-
-// 32-bit shared-memory address of a generic pointer into shared memory (what ldmatrix/cp.async take).
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned addr;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
-    return addr;
-}
-
-// Four 8x8 b16 matrices; lane i supplies the row address of row (i % 8) of matrix (i / 8).
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row_ptr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row_ptr)));
-}
-
-__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row_ptr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
-                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(row_ptr)));
-}
-
-// Transposing variants: for B operands stored row-major (k-major) in shared memory.
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row_ptr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row_ptr)));
-}
-
-__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* row_ptr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
-                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(row_ptr)));
 }
 
 // ---------------------------------------------------------------------------------------------------
