@@ -171,21 +171,22 @@ def _paged_sets(batch, keys, block_size, dev):
             for seed in range(copies_to_exceed_l2(tq_bytes))]
 
 
-def _set_tuning(pd, warps, prefetch):
-    pd.WARPS = warps
-    pd.PREFETCH_CHUNKS = prefetch
-    pd.clear_caches()
+def _set_tuning(dl, warps, prefetch):
+    dl.WARPS = warps
+    dl.PREFETCH_CHUNKS = prefetch
+    dl.clear_caches()
 
 
-def _plan(pd, index, batch, keys, log2_bs):
-    mode = pd.MODE_PAGED if log2_bs is not None else pd.MODE_CONTIGUOUS
+def _plan(dl, index, batch, keys, log2_bs):
+    mode = dl.MODE_PAGED if log2_bs is not None else dl.MODE_CONTIGUOUS
     group = Q_HEADS // KV_HEADS
-    return pd._launch_for(mode, HEAD_DIM, 1, index, pd.units_shape(batch, KV_HEADS, group), batch * Q_HEADS, keys,
-                          log2_bs, pd.head_slots(group)).plan
+    return dl._launch_for(mode, HEAD_DIM, 1, index, dl.units_shape(batch, KV_HEADS, group), batch * Q_HEADS, keys,
+                          log2_bs, dl.head_slots(group)).plan
 
 
 def run(record) -> None:
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
+    from flashquant_hf.kernels.paged_decode import paged_decode
     from flashquant_hf.kernels.split_k import launch_merge
 
     dev = torch.device("cuda")
@@ -196,24 +197,24 @@ def run(record) -> None:
     record("decode_copy_bandwidth", bw, "GB/s")
 
     def paged_fn(keys, block_size=BLOCK_SIZE):
-        return lambda s: pd.paged_decode(s[3], s[0], s[1], s[2], c, c, 4, 4, scale, block_size, keys)
+        return lambda s: paged_decode(s[3], s[0], s[1], s[2], c, c, 4, 4, scale, block_size, keys)
 
     # Sweep: warps per CTA x L2 prefetch distance, GPU time, on every config; keep the best geometric mean.
     log2_bs = BLOCK_SIZE.bit_length() - 1
-    for warps in pd.WARP_CHOICES:
-        _set_tuning(pd, warps, pd.PREFETCH_CHUNKS)
+    for warps in dl.WARP_CHOICES:
+        _set_tuning(dl, warps, dl.PREFETCH_CHUNKS)
         group = Q_HEADS // KV_HEADS
-        setup = pd._launch_for(pd.MODE_PAGED, HEAD_DIM, 1, index, pd.units_shape(8, KV_HEADS, group), 8 * Q_HEADS,
-                               32768, log2_bs, pd.head_slots(group))
-        sms = pd._sm_count(index)
+        setup = dl._launch_for(dl.MODE_PAGED, HEAD_DIM, 1, index, dl.units_shape(8, KV_HEADS, group), 8 * Q_HEADS,
+                               32768, log2_bs, dl.head_slots(group))
+        sms = dl._sm_count(index)
         print(f"    W={warps}: resident CTAs/SM {setup.plan.slots // sms}, regs {setup.kernel.num_regs}, SMs {sms}")
-    grid = [(w, p) for w in pd.WARP_CHOICES for p in (0, 1, 2)]
+    grid = [(w, p) for w in dl.WARP_CHOICES for p in (0, 1, 2)]
     scores = {key: 0.0 for key in grid}
     for batch, keys, tag, _ in CONFIGS:
         sets = _paged_sets(batch, keys, BLOCK_SIZE, dev)
         line = []
         for warps, prefetch in grid:
-            _set_tuning(pd, warps, prefetch)
+            _set_tuning(dl, warps, prefetch)
             ms = _gpu_ms(paged_fn(keys), sets, reps=15)
             scores[(warps, prefetch)] += math.log(ms)
             line.append(f"w{warps}/pf{prefetch}={ms * 1e3:.1f}")
@@ -221,7 +222,7 @@ def run(record) -> None:
         del sets
         torch.cuda.empty_cache()
     best_warps, best_prefetch = min(scores, key=scores.get)
-    _set_tuning(pd, best_warps, best_prefetch)
+    _set_tuning(dl, best_warps, best_prefetch)
     print(f"    chosen: WARPS={best_warps}, PREFETCH_CHUNKS={best_prefetch}")
     record("decode_tuned_warps", best_warps, "warps")
     record("decode_tuned_prefetch_chunks", best_prefetch, "chunks")
@@ -235,7 +236,7 @@ def run(record) -> None:
         wall = _time_per_call(paged, sets)
         cpu_us = _cpu_us_per_call(paged, sets)
         sdpa, sdpa_wall, variant, all_sdpa = _sdpa_ms(batch, keys, dev)
-        plan = _plan(pd, index, batch, keys, log2_bs)
+        plan = _plan(dl, index, batch, keys, log2_bs)
         print(f"    {tag}: plan {plan}, sdpa {all_sdpa} -> {variant}")
         record(f"paged_decode_ms_{tag}", ms, "ms")
         record(f"sdpa_decode_ms_{tag}", sdpa, "ms")
@@ -247,7 +248,7 @@ def run(record) -> None:
         if tag == "b8_n32k":
             sdpa_b8 = sdpa
             record(f"paged_decode_hbm_fraction_{tag}", tq_bytes / (ms * 1e-3) / (bw * 1e9), "fraction", ">= 0.75")
-            part_out, part_lse = pd._workspace(index, max(2, plan.splits), batch * Q_HEADS, HEAD_DIM)
+            part_out, part_lse = dl._workspace(index, max(2, plan.splits), batch * Q_HEADS, HEAD_DIM)
             out = torch.empty(batch * Q_HEADS, HEAD_DIM, device=dev)
             lse = torch.empty(batch * Q_HEADS, device=dev)
             part_out.zero_()
@@ -272,23 +273,23 @@ def run(record) -> None:
     times = {}
     for _ in range(2):
         for prefetch in (0, 1):
-            pd.CONTIGUOUS_PREFETCH_CHUNKS = prefetch
-            pd.clear_caches()
+            dl.CONTIGUOUS_PREFETCH_CHUNKS = prefetch
+            dl.clear_caches()
             times[prefetch] = min(_gpu_ms(fused, sets, reps=15), times.get(prefetch, math.inf))
-    pd.CONTIGUOUS_PREFETCH_CHUNKS = min(times, key=times.get)
-    pd.clear_caches()
+    dl.CONTIGUOUS_PREFETCH_CHUNKS = min(times, key=times.get)
+    dl.clear_caches()
     print("    contiguous sweep (us): " + " ".join(f"pf{p}={t * 1e3:.1f}" for p, t in times.items()))
-    record("decode_tuned_contiguous_prefetch_chunks", pd.CONTIGUOUS_PREFETCH_CHUNKS, "chunks")
+    record("decode_tuned_contiguous_prefetch_chunks", dl.CONTIGUOUS_PREFETCH_CHUNKS, "chunks")
     ms = _gpu_ms(fused, sets)
     record("fused_decode_ms_b8_n32k", ms, "ms")
     record("fused_decode_speedup_b8_n32k", sdpa_b8 / ms, "x", ">= 2.5")
     record("fused_decode_hbm_fraction_b8_n32k", tq_bytes / (ms * 1e-3) / (bw * 1e9), "fraction")
     record("fused_decode_wall_ms_b8_n32k", _time_per_call(fused, sets), "ms")
-    default_launch = pd.FAST_LAUNCH
+    default_launch = dl.FAST_LAUNCH
     for fast, suffix in ((True, "fast_launch"), (False, "cupy_launch")):
-        pd.FAST_LAUNCH = fast
+        dl.FAST_LAUNCH = fast
         record(f"fused_decode_cpu_us_per_call_b8_n32k_{suffix}", _cpu_us_per_call(fused, sets), "us")
-    pd.FAST_LAUNCH = default_launch
+    dl.FAST_LAUNCH = default_launch
     del sets
     torch.cuda.empty_cache()
 
@@ -297,7 +298,7 @@ def run(record) -> None:
                                                                 dtype=torch.bfloat16)) for seed in range(2)]
     record("fused_decode_gpu_ms_b1_n4k", _gpu_ms(fused, small), "ms")
     for fast, suffix in ((True, "fast_launch"), (False, "cupy_launch")):
-        pd.FAST_LAUNCH = fast
+        dl.FAST_LAUNCH = fast
         record(f"fused_decode_wall_ms_b1_n4k_{suffix}", _time_per_call(fused, small), "ms")
         record(f"fused_decode_cpu_us_per_call_b1_n4k_{suffix}", _cpu_us_per_call(fused, small), "us")
-    pd.FAST_LAUNCH = default_launch
+    dl.FAST_LAUNCH = default_launch

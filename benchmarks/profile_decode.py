@@ -4,7 +4,7 @@
         python benchmarks/profile_decode.py [--batch 8] [--keys 32768] [--warps 8] [--contiguous]
 
 Without ncu it also prints the GPU time per call (CUDA events, inputs rotated beyond L2), so a tuning can be
-checked quickly. ``--warps`` and ``--prefetch`` override the tuned ``paged_decode`` constants. ``--scaling`` fits
+checked quickly. ``--warps`` and ``--prefetch`` override the tuned ``decode_launch`` constants. ``--scaling`` fits
 the contiguous decode's time against its length instead (the per-call cost that does not grow with the keys),
 with and without programmatic dependent launch.
 """
@@ -40,20 +40,21 @@ def main(argv: list[str] | None = None) -> None:
                              "cost, then exit")
     args = parser.parse_args(argv)
 
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
+    from flashquant_hf.kernels.paged_decode import paged_decode
 
     if args.warps is not None:
-        pd.WARPS = args.warps
+        dl.WARPS = args.warps
     if args.prefetch is not None and args.contiguous:
-        pd.CONTIGUOUS_PREFETCH_CHUNKS = args.prefetch
+        dl.CONTIGUOUS_PREFETCH_CHUNKS = args.prefetch
     elif args.prefetch is not None:
-        pd.PREFETCH_CHUNKS = args.prefetch
-    pd.clear_caches()
+        dl.PREFETCH_CHUNKS = args.prefetch
+    dl.clear_caches()
     dev = torch.device("cuda")
     c = _centroids(dev)
     scale = HEAD_DIM**-0.5
     if args.scaling:
-        _scaling(pd, c, scale, dev)
+        _scaling(dl, c, scale, dev)
         return
     if args.contiguous:
         sets = _contiguous_query_sets(args.batch, args.keys, dev)
@@ -63,15 +64,15 @@ def main(argv: list[str] | None = None) -> None:
         sets = _paged_sets(args.batch, args.keys, BLOCK_SIZE, dev)
 
         def fn(s):
-            return pd.paged_decode(s[3], s[0], s[1], s[2], c, c, 4, 4, scale, BLOCK_SIZE, args.keys)
+            return paged_decode(s[3], s[0], s[1], s[2], c, c, 4, 4, scale, BLOCK_SIZE, args.keys)
 
     for i in range(args.launches):
         fn(sets[i % len(sets)])
     torch.cuda.synchronize()
     if args.time:
         us = _gpu_us(fn, sets, reps=30)
-        pf = pd.CONTIGUOUS_PREFETCH_CHUNKS if args.contiguous else pd.PREFETCH_CHUNKS
-        print(f"profile_decode B={args.batch} N={args.keys} W={pd.WARPS} pf={pf} "
+        pf = dl.CONTIGUOUS_PREFETCH_CHUNKS if args.contiguous else dl.PREFETCH_CHUNKS
+        print(f"profile_decode B={args.batch} N={args.keys} W={dl.WARPS} pf={pf} "
               f"{'contiguous' if args.contiguous else 'paged'}: {us:.1f} us/call")
     print("profile_decode: done")
 
@@ -90,20 +91,20 @@ def _gpu_us(fn, sets, reps=20):
     return statistics.median(times)
 
 
-def _scaling(pd, c, scale, dev):
+def _scaling(dl, c, scale, dev):
     """GPU us per call of the contiguous decode at 256 CTAs (B=8 x 8 KV heads x 4 splits; B=32 x 8 x 1 split) for
     several lengths with ordinary and programmatic launches (interleaved), and the least-squares line through them:
     its intercept is the per-call cost that does not grow with the keys (launch, prologue, epilogue, merge)."""
-    planner = pd.plan_decode
-    default_pdl = pd.PROGRAMMATIC_LAUNCH
+    planner = dl.plan_decode
+    default_pdl = dl.PROGRAMMATIC_LAUNCH
     variants = {"ordinary launch": False, "programmatic launch": True}
 
     def forced(splits):
         def plan(units, max_len, head_dim, slots, log2_block_size=None):
             free = planner(units, max_len, head_dim, slots, log2_block_size)
-            length = -(-max_len // pd.GRANULE) * pd.GRANULE
-            split_len = -(-(-(-length // splits)) // pd.GRANULE) * pd.GRANULE
-            return pd.DecodePlan(splits, split_len, free.shared_mem, free.slots)
+            length = -(-max_len // dl.GRANULE) * dl.GRANULE
+            split_len = -(-(-(-length // splits)) // dl.GRANULE) * dl.GRANULE
+            return dl.DecodePlan(splits, split_len, free.shared_mem, free.slots)
 
         plan.cache_clear = planner.cache_clear
         return plan
@@ -112,14 +113,14 @@ def _scaling(pd, c, scale, dev):
 
     try:
         for batch, splits, lengths in ((32, 1, (16, 128, 2048, 8192)), (8, 4, (8192, 32768))):
-            pd.plan_decode = forced(splits)
+            dl.plan_decode = forced(splits)
             points = {name: [] for name in variants}
             for keys in lengths:
                 sets = _contiguous_query_sets(batch, keys, dev)
                 for _ in range(2):
                     for name, programmatic in variants.items():
-                        pd.PROGRAMMATIC_LAUNCH = programmatic
-                        pd.clear_caches()
+                        dl.PROGRAMMATIC_LAUNCH = programmatic
+                        dl.clear_caches()
                         for i in range(4):
                             fn(sets[i % len(sets)])
                         points[name].append((keys, _gpu_us(fn, sets, reps=15)))
@@ -137,9 +138,9 @@ def _scaling(pd, c, scale, dev):
                 print(f"scaling B={batch} splits={splits} {name}: {cells} us; fit N>=2K: fixed "
                       f"{my - slope * mx:.1f} us + {slope * 1024:.2f} us per 1024 keys", flush=True)
     finally:
-        pd.plan_decode = planner
-        pd.PROGRAMMATIC_LAUNCH = default_pdl
-        pd.clear_caches()
+        dl.plan_decode = planner
+        dl.PROGRAMMATIC_LAUNCH = default_pdl
+        dl.clear_caches()
 
 
 if __name__ == "__main__":

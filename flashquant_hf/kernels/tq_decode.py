@@ -1,7 +1,7 @@
 """CUDA ``tq_decode``: ``tq_attention`` for one query token over the contiguous per-layer TQ4 layout.
 
-Same kernel family as the paged decode (``cuda/paged_decode.cu``, template ``MODE`` 0 / 1 with ``key_bias``);
-the plan, workspace and launch live in :mod:`flashquant_hf.kernels.paged_decode`.
+Same kernel as the paged decode (``cuda/tq_decode.cu``, template ``MODE`` 0, or 1 with ``key_bias``); the plan,
+workspace and launch live in :mod:`flashquant_hf.kernels.decode_launch`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import checks
-from .paged_decode import MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, check_codebooks, check_query, run_decode
+from .decode_launch import MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, check_codebooks, check_query, run_decode
 
 
 def _check_cache_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple, device: torch.device,

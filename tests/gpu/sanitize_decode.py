@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import flashquant_hf.kernels.paged_decode as pd  # noqa: E402
+import flashquant_hf.kernels.decode_launch as dl  # noqa: E402
 from flashquant_hf.codebook import lloyd_max_codebook  # noqa: E402
 from flashquant_hf.kernels.paged_decode import paged_decode  # noqa: E402
 from flashquant_hf.kernels.split_k import merge_partials  # noqa: E402
@@ -43,12 +43,12 @@ def paged_case(q: torch.Tensor, c: torch.Tensor, block_size: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warps", type=int, choices=pd.WARP_CHOICES, default=pd.WARPS)
+    parser.add_argument("--warps", type=int, choices=dl.WARP_CHOICES, default=dl.WARPS)
     parser.add_argument("--cupy-launch", action="store_true")
     parser.add_argument("--dump", type=Path, default=None)
     args = parser.parse_args()
-    pd.WARPS = args.warps
-    pd.FAST_LAUNCH = not args.cupy_launch
+    dl.WARPS = args.warps
+    dl.FAST_LAUNCH = not args.cupy_launch
     torch.manual_seed(0)
     dev = "cuda"
     c = torch.tensor(lloyd_max_codebook(128, 4).centroids, dtype=torch.float32, device=dev)
@@ -74,7 +74,7 @@ def main() -> None:
                     "v": v, "vn": vn, "bias": bias, "out2": out2, "lse2": lse2, "c": c},
                    args.dump / "decode_dump.pt")
     assert torch.isfinite(out).all() and torch.isfinite(out2).all() and torch.isfinite(merged).all()
-    print("sanitize_decode: ok", tuple(out.shape), tuple(out2.shape), f"warps {pd.WARPS}, fast launch {pd.FAST_LAUNCH}")
+    print("sanitize_decode: ok", tuple(out.shape), tuple(out2.shape), f"warps {dl.WARPS}, fast launch {dl.FAST_LAUNCH}")
 
 
 if __name__ == "__main__":

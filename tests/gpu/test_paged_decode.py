@@ -40,14 +40,15 @@ def random_store(lens, block_size, kv_heads, head_dim, seed=0):
 def decode_poisoned(monkeypatch, poison, *args):
     """``paged_decode(*args)`` from cleared caches with every ``torch.empty`` poisoned; returns its result and the
     one launch it planned."""
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
+    from flashquant_hf.kernels.paged_decode import paged_decode
 
-    pd.clear_caches()
+    dl.clear_caches()
     real_empty = torch.empty
     with monkeypatch.context() as patched:
         patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
-        result = pd.paged_decode(*args)
-    (setup,) = pd._LAUNCHES.values()
+        result = paged_decode(*args)
+    (setup,) = dl._LAUNCHES.values()
     return result, setup
 
 
@@ -89,9 +90,9 @@ def test_paged_decode_ragged(block_size, group, head_dim):
 
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
 def test_paged_decode_prefetch_distances(prefetch, monkeypatch):
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
 
-    monkeypatch.setattr(pd, "PREFETCH_CHUNKS", prefetch)
+    monkeypatch.setattr(dl, "PREFETCH_CHUNKS", prefetch)
     lens = [5000, 17, 1, 0, 2222]
     blocks, table, lens_t = random_store(lens, 8, 2, 128, seed=20 + prefetch)
     q = torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
@@ -127,16 +128,17 @@ def test_paged_decode_all_empty_and_poisoned_outputs(monkeypatch, poison):
 
 
 def test_paged_decode_poisoned_multi_split(monkeypatch, poison):
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
+    from flashquant_hf.kernels.paged_decode import paged_decode
 
     lens = [20000, 3, 0]
     blocks, table, lens_t = random_store(lens, 16, 2, 128, seed=6)
     q = torch.randn(3, 8, 128, device=DEV, dtype=torch.bfloat16)
-    pd.clear_caches()
+    dl.clear_caches()
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     c = centroids(128)
-    out, lse = pd.paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 128**-0.5, 16, max_seq_len=20000)
+    out, lse = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 128**-0.5, 16, max_seq_len=20000)
     monkeypatch.undo()
     ref_out, ref_lse = reference_paged_decode(q.double(), blocks, table, lens_t, c, c, 4, 4, 128**-0.5, 16)
     assert torch.isfinite(out).all()
@@ -185,30 +187,30 @@ def test_paged_decode_rejects_other_bits_and_bad_tables():
 @pytest.mark.parametrize("warps", [4, 8])
 def test_paged_decode_warp_variants(warps, monkeypatch):
     """Both CTA shapes (template W) on ragged sequences, small blocks (more page lookups) and GQA 8."""
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
 
-    monkeypatch.setattr(pd, "WARPS", warps)
-    pd.clear_caches()
+    monkeypatch.setattr(dl, "WARPS", warps)
+    dl.clear_caches()
     lens = [7000, 1, 0, 129, 2048]
     blocks, table, lens_t = random_store(lens, 8, 2, 128, seed=50 + warps)
     q = torch.randn(len(lens), 16, 128, device=DEV, dtype=torch.bfloat16)
     check(q, blocks, table, lens_t, 8)
     blocks, table, lens_t = random_store(lens, 32, 2, 64, seed=60 + warps)
     check(torch.randn(len(lens), 4, 64, device=DEV, dtype=torch.float16), blocks, table, lens_t, 32)
-    pd.clear_caches()
+    dl.clear_caches()
 
 
 def test_paged_decode_fast_launch_matches_cupy_launch(monkeypatch):
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
     from flashquant_hf.kernels.paged_decode import paged_decode
 
     c = centroids(128)
     for seed, lens in enumerate(([3000, 5], [40, 9000, 1])):
         blocks, table, lens_t = random_store(lens, 16, 2, 128, seed=70 + seed)
         q = torch.randn(len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
-        monkeypatch.setattr(pd, "FAST_LAUNCH", True)
+        monkeypatch.setattr(dl, "FAST_LAUNCH", True)
         fast = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16)
-        monkeypatch.setattr(pd, "FAST_LAUNCH", False)
+        monkeypatch.setattr(dl, "FAST_LAUNCH", False)
         slow = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16)
         assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
         check(q, blocks, table, lens_t, 16)
@@ -218,7 +220,7 @@ def test_paged_decode_balanced_places(monkeypatch, poison):
     """66 units x 4 splits fill the H200's 264 places: the plan gives the 132 first places (the CTAs numbered first)
     longer splits than the second ones (``balance_places``); ragged lengths leave some short splits partial or
     empty. Outputs poisoned first; equal to the reference and to the equal-splits plan."""
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     seqs = sms // 4  # x 2 KV heads = sms / 2 units
@@ -228,17 +230,17 @@ def test_paged_decode_balanced_places(monkeypatch, poison):
     c = centroids(128)
     results = {}
     for speedup in (1.09, 1.0):
-        monkeypatch.setattr(pd, "FIRST_PLACE_SPEEDUP", speedup)
+        monkeypatch.setattr(dl, "FIRST_PLACE_SPEEDUP", speedup)
         results[speedup], setup = decode_poisoned(monkeypatch, poison, q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16,
                                                   16384)
         assert (setup.plan.long_splits is not None) == (speedup != 1.0), setup.plan
     (a_out, a_lse), (b_out, b_lse) = results[1.09], results[1.0]
     torch.testing.assert_close(a_out, b_out, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(a_lse, b_lse, rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(pd, "FIRST_PLACE_SPEEDUP", 1.09)
-    pd.clear_caches()
+    monkeypatch.setattr(dl, "FIRST_PLACE_SPEEDUP", 1.09)
+    dl.clear_caches()
     check(q, blocks, table, lens_t, 16, max_seq_len=16384)
-    pd.clear_caches()
+    dl.clear_caches()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -271,7 +273,7 @@ def test_paged_decode_staged_and_register_tiles(group, head_dim, monkeypatch, po
     TMA_TILES False) both equal the reference on ragged sequences (a split's partial last tile, empty and
     one-key sequences), with the paired build (GQA 3: three of its four head slots) and the 8-slot one; outputs
     poisoned first."""
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
 
     lens = [4100, 0, 1, 17, 999]
     blocks, table, lens_t = random_store(lens, 16, 2, head_dim, seed=130 + group + head_dim)
@@ -280,11 +282,11 @@ def test_paged_decode_staged_and_register_tiles(group, head_dim, monkeypatch, po
     staged_available = torch.cuda.get_device_capability()[0] == 9
     results = []
     for staged in (True, False):
-        monkeypatch.setattr(pd, "TMA_TILES", staged)
+        monkeypatch.setattr(dl, "TMA_TILES", staged)
         result, setup = decode_poisoned(monkeypatch, poison, q, blocks, table, lens_t, c, c, 4, 4, head_dim**-0.5, 16)
-        assert (setup.prefetch == pd.TMA_PREFETCH_CHUNKS and setup.plan.shared_mem > pd.LUT_BYTES + pd.MAX_PAGE_BYTES) \
+        assert (setup.prefetch == dl.TMA_PREFETCH_CHUNKS and setup.plan.shared_mem > dl.LUT_BYTES + dl.MAX_PAGE_BYTES) \
             == (staged and staged_available), setup
         results.append(result)
         check(q, blocks, table, lens_t, 16)
     torch.testing.assert_close(results[0][0], results[1][0], rtol=2e-3, atol=2e-3)
-    pd.clear_caches()
+    dl.clear_caches()

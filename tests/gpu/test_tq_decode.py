@@ -96,15 +96,15 @@ def test_tq_decode_long_context_gqa4():
 @pytest.mark.parametrize("prefetch", [1, 3])
 def test_tq_decode_prefetch_distances(prefetch, monkeypatch):
     """L2 prefetch on the contiguous layout (off by default there), with a partial last chunk per split."""
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
 
-    monkeypatch.setattr(pd, "CONTIGUOUS_PREFETCH_CHUNKS", prefetch)
-    pd.clear_caches()
+    monkeypatch.setattr(dl, "CONTIGUOUS_PREFETCH_CHUNKS", prefetch)
+    dl.clear_caches()
     cache = random_cache(2, 4, 6001, 128, capacity_extra=11, seed=40 + prefetch)
     q = torch.randn(2, 16, 1, 128, device=DEV, dtype=torch.bfloat16)
     c = centroids(128)
     assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
-    pd.clear_caches()
+    dl.clear_caches()
 
 
 @pytest.mark.parametrize("pattern", ["rising", "late_spike", "falling"])
@@ -182,9 +182,9 @@ def test_tq_decode_outputs_poisoned_before_launch(monkeypatch, poison):
     cache = random_cache(2, 2, 5000, 128, seed=12)  # several splits -> workspace + merge
     q = torch.randn(2, 8, 1, 128, device=DEV, dtype=torch.bfloat16)
     c = centroids(128)
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
 
-    pd.clear_caches()
+    dl.clear_caches()
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     out, lse = run(q, cache, c)
     monkeypatch.undo()
@@ -220,10 +220,10 @@ def test_tq_decode_validation_errors():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_tq_decode_warp_variants(warps, head_dim, monkeypatch):
     """Both CTA shapes (template W): multi-split, key_bias, fp16 queries and GQA 4."""
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
 
-    monkeypatch.setattr(pd, "WARPS", warps)
-    pd.clear_caches()
+    monkeypatch.setattr(dl, "WARPS", warps)
+    dl.clear_caches()
     batch, num_keys = 2, 9000
     cache = random_cache(batch, 2, num_keys, head_dim, capacity_extra=5, seed=30 + warps)
     c = centroids(head_dim)
@@ -232,22 +232,22 @@ def test_tq_decode_warp_variants(warps, head_dim, monkeypatch):
     bias[1, :77] = -math.inf
     assert_close_rel(*run(q, cache, c), *reference64(q, cache, c))
     assert_close_rel(*run(q, cache, c, bias), *reference64(q, cache, c, bias))
-    pd.clear_caches()
+    dl.clear_caches()
 
 
 def test_tq_decode_fast_launch_matches_cupy_launch(monkeypatch):
     """The cached cuLaunchKernel path and CuPy's launch give identical bits, and the reused parameter array
     follows changing lengths, strides and pointers between calls (as in a decode loop over layers)."""
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
 
     c = centroids(128)
     k, kn, v, vn = random_cache(2, 2, 6000, 128, capacity_extra=100, seed=40)
     for num_keys in (6000, 257, 4100, 6000):
         cache = (k[:, :, :num_keys], kn[:, :, :num_keys], v[:, :, :num_keys], vn[:, :, :num_keys])
         q = torch.randn(2, 8, 1, 128, device=DEV, dtype=torch.bfloat16)
-        monkeypatch.setattr(pd, "FAST_LAUNCH", True)
+        monkeypatch.setattr(dl, "FAST_LAUNCH", True)
         fast = run(q, cache, c)
-        monkeypatch.setattr(pd, "FAST_LAUNCH", False)
+        monkeypatch.setattr(dl, "FAST_LAUNCH", False)
         slow = run(q, cache, c)
         assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
         assert_close_rel(*fast, *reference64(q, cache, c))
@@ -258,7 +258,7 @@ def test_tq_decode_programmatic_launch_back_to_back(monkeypatch):
     partials the previous merge reads) give the bits of ordinary launches; a launch without cuLaunchKernelEx
     falls back."""
     import flashquant_hf.kernels.loader as loader
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
 
     c = centroids(128)
     k, kn, v, vn = random_cache(4, 2, 9000, 128, capacity_extra=50, seed=41)
@@ -266,15 +266,15 @@ def test_tq_decode_programmatic_launch_back_to_back(monkeypatch):
     queries = [torch.randn(4, 8, 1, 128, device=DEV, dtype=torch.bfloat16) for _ in range(12)]
     results = {}
     for programmatic in (False, True):
-        monkeypatch.setattr(pd, "PROGRAMMATIC_LAUNCH", programmatic)
-        pd.clear_caches()
+        monkeypatch.setattr(dl, "PROGRAMMATIC_LAUNCH", programmatic)
+        dl.clear_caches()
         results[programmatic] = [run(q, cache, c) for q in queries]
         torch.cuda.synchronize()
-    assert pd._LAUNCHES and next(iter(pd._LAUNCHES.values())).plan.splits > 1
+    assert dl._LAUNCHES and next(iter(dl._LAUNCHES.values())).plan.splits > 1
     for (p_out, p_lse), (o_out, o_lse) in zip(results[True], results[False]):
         assert torch.equal(p_out, o_out) and torch.equal(p_lse, o_lse)
     assert_close_rel(*results[True][-1], *reference64(queries[-1], cache, c))
-    monkeypatch.setattr(pd, "PROGRAMMATIC_LAUNCH", True)
+    monkeypatch.setattr(dl, "PROGRAMMATIC_LAUNCH", True)
     monkeypatch.setattr(loader, "_driver", lambda: None)
     fallback = run(queries[0], cache, c)
     assert torch.equal(fallback[0], results[False][0][0])
@@ -283,7 +283,7 @@ def test_tq_decode_programmatic_launch_back_to_back(monkeypatch):
 def test_tq_decode_balanced_places(monkeypatch):
     """Contiguous layout with the first-place-longer splits of ``balance_places`` (sms / 2 units x 4 splits), with
     key_bias padding: equal to float64 and to equal splits."""
-    import flashquant_hf.kernels.paged_decode as pd
+    import flashquant_hf.kernels.decode_launch as dl
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = sms // 4
@@ -294,11 +294,11 @@ def test_tq_decode_balanced_places(monkeypatch):
     bias[3, 1000:] = -math.inf
     results = {}
     for speedup in (1.09, 1.0):
-        monkeypatch.setattr(pd, "FIRST_PLACE_SPEEDUP", speedup)
-        pd.clear_caches()
+        monkeypatch.setattr(dl, "FIRST_PLACE_SPEEDUP", speedup)
+        dl.clear_caches()
         results[speedup] = run(q, cache, c, bias)
-        plans = [s.plan for s in pd._LAUNCHES.values()]
+        plans = [s.plan for s in dl._LAUNCHES.values()]
         assert plans and all((p.long_splits is not None) == (speedup != 1.0) for p in plans), plans
     torch.testing.assert_close(results[1.09][0], results[1.0][0], rtol=2e-3, atol=2e-3)
     assert_close_rel(*results[1.09], *reference64(q, cache, c, bias))
-    pd.clear_caches()
+    dl.clear_caches()

@@ -1,4 +1,5 @@
-"""The split plan of the CUDA decode (``kernels/paged_decode.py``: ``plan_decode``, ``balance_places``) on CPU."""
+"""The CUDA decode's launch planning on CPU (``kernels/decode_launch.py``: builds, ``plan_decode``,
+``balance_places``)."""
 
 import math
 
@@ -6,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import flashquant_hf.kernels.paged_decode as pd
+import flashquant_hf.kernels.decode_launch as dl
 
 
 def finish_time(units, lengths, sms, first_speedup):
@@ -25,26 +26,26 @@ def split_lengths(plan):
 @given(units=st.integers(1, 300), length=st.integers(1, 300_000), sms=st.sampled_from([66, 108, 132]),
        log2_bs=st.sampled_from([None, 3, 4, 6]), speedup=st.sampled_from([1.05, 1.09, 1.2]))
 def test_balanced_plan_covers_the_keys_and_shortens_the_slowest_place(units, length, sms, log2_bs, speedup):
-    length = -(-length // pd.GRANULE) * pd.GRANULE
-    plan = pd.plan_decode(units, length, 128, 2 * sms, log2_bs)
-    balanced = pd.balance_places(plan, units, length, sms, 2, log2_bs, speedup)
+    length = -(-length // dl.GRANULE) * dl.GRANULE
+    plan = dl.plan_decode(units, length, 128, 2 * sms, log2_bs)
+    balanced = dl.balance_places(plan, units, length, sms, 2, log2_bs, speedup)
     lengths = split_lengths(balanced)
     assert sum(lengths) >= length, (plan, balanced)
     if balanced == plan:
         return
-    assert all(n % pd.GRANULE == 0 and n > 0 for n in lengths)
+    assert all(n % dl.GRANULE == 0 and n > 0 for n in lengths)
     ctas = units * plan.splits
     assert sms < ctas <= 2 * sms and balanced.splits == plan.splits
     assert units * balanced.long_splits <= sms  # every long split takes a first place
     assert balanced.split_len > balanced.short_len
     if log2_bs is not None:  # the block-table slice of a long split fits the kernel's shared copy
-        assert balanced.shared_mem - pd.LUT_BYTES == 4 * ((balanced.split_len >> log2_bs) + 1) <= pd.MAX_PAGE_BYTES
+        assert balanced.shared_mem - dl.LUT_BYTES == 4 * ((balanced.split_len >> log2_bs) + 1) <= dl.MAX_PAGE_BYTES
     assert finish_time(units, lengths, sms, speedup) <= finish_time(units, split_lengths(plan), sms, speedup)
 
 
 @pytest.mark.parametrize("units,length,splits,long_splits", [(64, 32768, 4, 2), (8, 131072, 32, 16)])
 def test_h200_benchmark_shapes_get_longer_first_splits(units, length, splits, long_splits):
-    plan = pd.balance_places(pd.plan_decode(units, length, 128, 264, 4), units, length, 132, 2, 4, 1.09)
+    plan = dl.balance_places(dl.plan_decode(units, length, 128, 264, 4), units, length, 132, 2, 4, 1.09)
     assert (plan.splits, plan.long_splits) == (splits, long_splits)
     ratio = plan.split_len / plan.short_len
     assert math.isclose(ratio, 1.09, rel_tol=0.03), ratio
@@ -57,16 +58,16 @@ def test_h200_benchmark_shapes_get_longer_first_splits(units, length, splits, lo
     (4, 4096, 2, 1.09),     # fewer CTAs than SMs: every CTA has a first place
 ])
 def test_balance_leaves_other_plans_alone(units, length, ctas_per_sm, speedup):
-    plan = pd.plan_decode(units, length, 128, ctas_per_sm * 132, None)
-    assert pd.balance_places(plan, units, length, 132, ctas_per_sm, None, speedup) == plan
+    plan = dl.plan_decode(units, length, 128, ctas_per_sm * 132, None)
+    assert dl.balance_places(plan, units, length, 132, ctas_per_sm, None, speedup) == plan
     assert plan.kernel_lengths == (plan.split_len, plan.splits, plan.split_len)
 
 
 @pytest.mark.parametrize("group,heads,units", [(1, 4, 1), (3, 4, 1), (4, 4, 1), (5, 8, 1), (8, 8, 1), (12, 8, 2)])
 def test_gqa_groups_pick_their_head_slots(group, heads, units):
     """GQA <= 4 runs the paired build (4 head slots per CTA), larger groups the 8-slot one in ceil(G / 8) CTAs."""
-    assert pd.head_slots(group) == heads
-    assert pd.units_shape(3, 2, group) == (3, 2, units)
+    assert dl.head_slots(group) == heads
+    assert dl.units_shape(3, 2, group) == (3, 2, units)
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0), (12, 0)])
@@ -75,31 +76,31 @@ def test_gqa_groups_pick_their_head_slots(group, heads, units):
 def test_build_options_per_block_size_and_staged_tiles(capability, log2_bs, heads, monkeypatch):
     """Paged builds carry their block size; staged tiles (and their key order and shared memory) only for blocks of
     16 keys on sm_90 with 8-warp CTAs; contiguous builds neither."""
-    mode = pd.MODE_CONTIGUOUS if log2_bs is None else pd.MODE_PAGED
-    options = pd.build_options(mode, heads, log2_bs, 128, capability[0])
-    assert (pd.PAIRED_OPTION in options) == (heads == 4)
+    mode = dl.MODE_CONTIGUOUS if log2_bs is None else dl.MODE_PAGED
+    options = dl.build_options(mode, heads, log2_bs, 128, capability[0])
+    assert (dl.PAIRED_OPTION in options) == (heads == 4)
     assert (f"-DFQD_PAGED_LOG2_BS={log2_bs}" in options) == (log2_bs is not None)
     staged = log2_bs == 4 and capability[0] == 9  # sm_90 only (later parts may not give a CTA 105 KB)
-    assert (pd.TMA_OPTION in options) == staged
+    assert (dl.TMA_OPTION in options) == staged
     assert len(options) == (heads == 4) + (log2_bs is not None) + staged
-    assert pd.staged_tile_bytes(options, 128, 8) == (8 * 2 * (16 * 136 + 8) if staged else 0)
-    assert pd.staged_tile_bytes(options, 128, 4) == 0
-    assert pd.TMA_OPTION not in pd.build_options(mode, heads, log2_bs, 256, capability[0])  # 256: 4-warp CTAs
-    monkeypatch.setattr(pd, "TMA_TILES", False)
-    assert pd.TMA_OPTION not in pd.build_options(mode, heads, log2_bs, 128, capability[0])
+    assert dl.staged_tile_bytes(options, 128, 8) == (8 * 2 * (16 * 136 + 8) if staged else 0)
+    assert dl.staged_tile_bytes(options, 128, 4) == 0
+    assert dl.TMA_OPTION not in dl.build_options(mode, heads, log2_bs, 256, capability[0])  # 256: 4-warp CTAs
+    monkeypatch.setattr(dl, "TMA_TILES", False)
+    assert dl.TMA_OPTION not in dl.build_options(mode, heads, log2_bs, 128, capability[0])
 
 
 def test_builds_hold_every_launch_build():
     """BUILDS (what tests/test_cuda_compile.py compiles) hold the build of every launch on sm_80 and sm_90: both
     head-slot counts, every block size, staged tiles only for blocks of 16 at head_dim <= 128."""
-    builds = {options: set(names) for options, names in pd.BUILDS}
+    builds = {options: set(names) for options, names in dl.BUILDS}
     for capability in (8, 9):
         for heads in (4, 8):
-            for mode, sizes in ((pd.MODE_CONTIGUOUS, [None]), (pd.MODE_CONTIGUOUS_BIAS, [None]),
-                                (pd.MODE_PAGED, [3, 4, 5, 6])):
+            for mode, sizes in ((dl.MODE_CONTIGUOUS, [None]), (dl.MODE_CONTIGUOUS_BIAS, [None]),
+                                (dl.MODE_PAGED, [3, 4, 5, 6])):
                 for log2_bs in sizes:
-                    for head_dim in pd.HEAD_DIMS:
-                        names = builds[pd.build_options(mode, heads, log2_bs, head_dim, capability)]
-                        assert {pd.kernel_name(head_dim, kind, mode) for kind in (0, 1, 2)} <= names
-    staged = {options: names for options, names in builds.items() if pd.TMA_OPTION in options}
+                    for head_dim in dl.HEAD_DIMS:
+                        names = builds[dl.build_options(mode, heads, log2_bs, head_dim, capability)]
+                        assert {dl.kernel_name(head_dim, kind, mode) for kind in (0, 1, 2)} <= names
+    staged = {options: names for options, names in builds.items() if dl.TMA_OPTION in options}
     assert len(staged) == 2 and all(len(names) == 6 and "<256," not in " ".join(names) for names in staged.values())

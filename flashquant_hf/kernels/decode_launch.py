@@ -1,0 +1,397 @@
+"""Planning and launching of the split-K decode kernel (``cuda/tq_decode.cu``, merged by ``cuda/split_k_reduce.cu``).
+
+The machinery under the two decode wrappers, ``tq_decode.py`` (contiguous layout) and ``paged_decode.py`` (paged
+store): the build a launch compiles, the split plan (from the SM count, the batch and the length), the cached
+partial-result workspace and the launch. Both layouts run the same kernel template; only the address computation
+differs (template ``MODE``).
+
+Host-side plan, once per (shape, length bucket) and reused by every layer of a decode step: the key range of
+each (sequence, KV head) is cut into ``splits`` equal pieces of ``split_len`` keys (a multiple of ``GRANULE``,
+the keys of one round of all warps of a CTA), chosen to fill ``SMs x CTAs-per-SM`` slots in whole waves; with one
+split the kernel writes the result directly, otherwise ``split_k_reduce.cu`` merges the partials.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..paged import BLOCK_SIZES
+from . import checks, loader, split_k
+from .loader import get_kernel
+
+CUDA_SOURCE = "tq_decode.cu"
+HEAD_DIMS = (64, 128, 256)
+QUERY_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, MODE_PAGED = 0, 1, 2
+# Warps per CTA for head_dim <= 128 (template W; head_dim 256 always runs 4): 8, two CTAs x 8 warps per SM sharing
+# one pair of tables per CTA (benchmarks/bench_decode.py sweeps WARP_CHOICES).
+WARPS = 8
+WARP_CHOICES = (4, 8)
+
+
+def warps_for(head_dim: int, warps: int | None = None) -> int:
+    """Warps per CTA of the instantiation used for ``head_dim`` (``warps`` overrides the tuned default)."""
+    return 4 if head_dim == 256 else (WARPS if warps is None else warps)
+
+
+def kernel_name(head_dim: int, query_kind: int, mode: int, warps: int | None = None) -> str:
+    """Name expression of one decode instantiation."""
+    return f"fqd::tq_decode_kernel<{head_dim}, {query_kind}, {mode}, {warps_for(head_dim, warps)}>"
+
+
+HEADS_PER_CTA = 8  # the n = 8 head slots of one mma tile
+# GQA <= 4 runs the build whose mma columns are (head, half of the contraction / output dims) pairs, 4 head slots per
+# CTA (every lane scores a served head; half the O^T accumulator registers).
+PAIRED_OPTION = "-DFQD_HEAD_SLOTS=4"
+# Paged blocks of 16 keys on sm_90 (8 warps): every tile reaches shared memory by one bulk copy of the copy engine,
+# two tiles ahead per warp, instead of ten register loads per lane plus an L2 prefetch. False gives the register
+# loads of other GPUs (tests compare both on sm_90).
+TMA_TILES = True
+TMA_OPTION = "-DFQD_TMA_TILES=1"
+TMA_PREFETCH_CHUNKS = 0  # L2 prefetch distance beyond the two staged tiles (none: faster without on the H200)
+LUT_BYTES = 2 * 256 * 32 * 4 + 1024  # K and V byte->pair tables, one copy per lane, + kLutSlack
+MAX_PAGE_BYTES = 4096  # shared-memory copy of one split's block-table slice
+GRANULE = 128  # keys per round of all warps of a CTA (Traits<D, W>::kChunk * W for every instantiation)
+# L2 prefetch distances, tuned on the H200 by benchmarks/bench_decode.py (sweep over the three benchmark shapes):
+PREFETCH_CHUNKS = 1  # paged: L2 prefetch distance, in warp iterations beyond the register prefetch (0: off)
+CONTIGUOUS_PREFETCH_CHUNKS = 0  # the same for tq_decode (its split key/value loads gain nothing from it)
+SLOT_FACTOR = 1.0  # planned CTA slots = SMs x resident CTAs x SLOT_FACTOR
+# How much faster an SM's first resident CTA runs than its second (the schedulers favour older warps): when a plan's
+# CTAs fill between one and two per SM, the splits the first places take (the kernel numbers CTAs split-major) get
+# this much longer key ranges than the others, so both places finish together. 1.0: equal splits. H200: 1.17 for the
+# paired build, 1.09 for the 8-slot build.
+FIRST_PLACE_SPEEDUP = 1.17
+FIRST_PLACE_SPEEDUP_8_SLOTS = 1.09
+OVERHEAD_KEYS = 128  # per-CTA start/merge cost, in keys of streaming
+PARTIAL_KEYS = 64  # cost of writing + merging one partial result, in keys
+# Launch through cached cuLaunchKernel parameter arrays (kernels.loader.launch_cached) instead of CuPy's per-argument
+# conversion, which costs about as much host time as the rest of a call. False: CuPy's launch (tests compare both).
+FAST_LAUNCH = True
+# Programmatic dependent launch (sm_90): the decode and merge kernels launch while their predecessor in the stream
+# finishes and wait for it (griddepcontrol.wait) before touching memory, so launch latency overlaps its tail.
+PROGRAMMATIC_LAUNCH = True
+NULL = np.uint64(0)
+LOG2E = 1.4426950408889634
+
+
+def head_slots(group: int) -> int:
+    """Query heads one CTA serves for a GQA group of ``group`` heads (4: the paired build, for groups up to 4)."""
+    return 4 if group <= 4 else HEADS_PER_CTA
+
+
+def block_size_option(log2_block_size: int) -> str:
+    """NVRTC option of the paged build for blocks of ``2**log2_block_size`` keys (paged launches are built per block
+    size, so the page arithmetic uses constant shifts)."""
+    return f"-DFQD_PAGED_LOG2_BS={log2_block_size}"
+
+
+def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: int,
+                  capability_major: int) -> tuple[str, ...]:
+    """NVRTC options of the decode build a launch uses on a GPU of compute capability ``capability_major``.x: the
+    paired build for 4 head slots (``heads``), the paged build for its block size, and staged tiles where they apply
+    (see TMA_TILES)."""
+    options = (PAIRED_OPTION,) if heads == 4 else ()
+    if mode == MODE_PAGED:
+        options += (block_size_option(log2_block_size),)
+        # sm_90 only: the stages need 105 KB of shared memory per CTA at D = 128, more than some later parts allow
+        if TMA_TILES and log2_block_size == 4 and warps_for(head_dim) == 8 and capability_major == 9:
+            options += (TMA_OPTION,)
+    return options
+
+
+def _builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """Every (NVRTC options, name expressions) build a launch may compile, on any GPU."""
+    builds: dict[tuple[str, ...], list[str]] = {}
+    for capability_major in (8, 9):
+        for heads in (HEADS_PER_CTA, 4):
+            for mode in (MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, MODE_PAGED):
+                sizes = [size.bit_length() - 1 for size in BLOCK_SIZES] if mode == MODE_PAGED else [None]
+                for log2_block_size in sizes:
+                    for head_dim in HEAD_DIMS:
+                        options = build_options(mode, heads, log2_block_size, head_dim, capability_major)
+                        names = builds.setdefault(options, [])
+                        for kind in QUERY_KINDS.values():
+                            name = kernel_name(head_dim, kind, mode)
+                            if name not in names:
+                                names.append(name)
+    return tuple((options, tuple(names)) for options, names in builds.items())
+
+
+# Compiled by tests/test_cuda_compile.py: the paged builds per block size and the paired / staged-tile builds.
+BUILDS = _builds()
+
+
+def staged_tile_bytes(options: tuple[str, ...], head_dim: int, warps: int) -> int:
+    """Shared memory of the bulk-copied tile stages (two 16-key tiles and their barriers per warp) in builds with
+    ``-DFQD_TMA_TILES=1`` for blocks of 16 keys (the kernel stages only those), else 0."""
+    if TMA_OPTION not in options or block_size_option(4) not in options or warps != 8:
+        return 0
+    return warps * 2 * (16 * (head_dim + 8) + 8)
+
+
+def units_shape(batch: int, kv_heads: int, group: int) -> tuple[int, int, int]:
+    """(batch, H_kv, head groups): the grid's units for a group of ``group`` query heads per KV head."""
+    return batch, kv_heads, -(-group // head_slots(group))
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How one decode call is cut: ``splits`` key ranges per unit, the first ``long_splits`` of ``split_len`` keys
+    and the others of ``short_len`` (by default all of ``split_len``); ``shared_mem`` bytes per CTA."""
+
+    splits: int
+    split_len: int
+    shared_mem: int
+    slots: int
+    long_splits: int | None = None  # None: all splits are split_len long
+    short_len: int | None = None
+
+    @property
+    def kernel_lengths(self) -> tuple[int, int, int]:
+        """(split_len, long_splits, short_len) as the kernel takes them."""
+        if self.long_splits is None:
+            return self.split_len, self.splits, self.split_len
+        return self.split_len, self.long_splits, self.short_len
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _prepared_kernel(name: str, device_index: int, options: tuple[str, ...] = ()) -> tuple[Any, int]:
+    """The kernel with its shared-memory limits raised, and how many of its CTAs fit on one SM."""
+    device = torch.device("cuda", device_index)
+    warps = int(name.rstrip(">").split(",")[3])
+    threads = 32 * warps
+    kernel = get_kernel(CUDA_SOURCE, name, device, options)
+    head_dim = int(name.split("<")[1].split(",")[0])
+    smem = LUT_BYTES + MAX_PAGE_BYTES + 16 + staged_tile_bytes(options, head_dim, warps)
+    kernel.max_dynamic_shared_size_bytes = smem
+    try:
+        kernel.preferred_shared_memory_carveout = 100  # 2-3 CTAs x ~69 KB (staged tiles: 2 x ~103 KB) need it all
+    except Exception:  # an older CuPy without the attribute: the driver picks
+        pass
+    try:  # what the driver will actually co-schedule (registers, shared memory, carveout)
+        import cupy
+
+        with cupy.cuda.Device(device_index):
+            resident = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, smem)
+        return kernel, max(1, int(resident))
+    except Exception:
+        pass
+    try:
+        regs = -(-int(kernel.num_regs) // 8) * 8
+        by_regs = 65536 // (regs * threads)
+    except Exception:
+        by_regs = 2
+    props = torch.cuda.get_device_properties(device_index)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    by_smem = per_sm // (smem + 1024)  # + the 1 KB the driver reserves per CTA
+    return kernel, max(1, min(by_regs, by_smem))
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_decode(units: int, max_len: int, head_dim: int, slots: int, log2_block_size: int | None = None) -> DecodePlan:
+    """Split plan for ``units`` (sequence, KV head, head group) triples of up to ``max_len`` keys.
+
+    Picks the split count minimising ``waves * (split_len + OVERHEAD_KEYS)`` plus the partials' cost, where a
+    wave is ``slots`` (SMs x CTAs per SM) CTAs. Paged splits also keep their block-table slice within
+    ``MAX_PAGE_BYTES``. ``max_len`` should be rounded to the granule by callers so one plan serves many steps.
+    """
+    gran = GRANULE
+    length = max(gran, -(-max_len // gran) * gran)
+    max_pages = MAX_PAGE_BYTES // 4 - 1
+    best: tuple[float, int, int] | None = None
+    limit = min(length // gran, 4 * slots // max(1, units) + 1)
+    for s in range(1, max(1, limit) + 1):
+        split_len = -(-(-(-length // s)) // gran) * gran
+        if log2_block_size is not None and (split_len >> log2_block_size) + 1 > max_pages:
+            continue
+        used = -(-length // split_len)
+        waves = -(-units * used // slots)
+        cost = waves * (split_len + OVERHEAD_KEYS) + (used * units * PARTIAL_KEYS / slots if used > 1 else 0)
+        if best is None or cost < best[0]:
+            best = (cost, used, split_len)
+    if best is None:  # very long sequences with tiny blocks: as many splits as the page budget needs
+        split_len = (max_pages - 1) << log2_block_size
+        best = (0.0, -(-length // split_len), split_len)
+    _, splits, split_len = best
+    pages = 0 if log2_block_size is None else 4 * ((split_len >> log2_block_size) + 1)
+    return DecodePlan(splits, split_len, LUT_BYTES + pages, slots)
+
+
+def balance_places(plan: DecodePlan, units: int, length: int, sms: int, ctas_per_sm: int,
+                   log2_block_size: int | None = None, speedup: float | None = None) -> DecodePlan:
+    """``plan`` with longer first splits for the CTAs that start first on their SM, ``speedup`` (default
+    ``FIRST_PLACE_SPEEDUP``) times longer than the others: applies to plans of 2+ splits whose CTAs fill more than
+    one and at most two places per SM of 2-CTA SMs, numbered split-major as the kernel does."""
+    speedup = FIRST_PLACE_SPEEDUP if speedup is None else speedup
+    ctas = units * plan.splits
+    long_splits = sms // units
+    if speedup == 1.0 or ctas_per_sm != 2 or not sms < ctas <= 2 * sms or not 0 < long_splits < plan.splits:
+        return plan
+    short_splits = plan.splits - long_splits
+    gran = GRANULE
+    long_len = round(length * speedup / (long_splits * speedup + short_splits) / gran) * gran
+    short_len = -(-(length - long_splits * long_len) // (short_splits * gran)) * gran
+    if short_len <= 0 or long_len <= short_len:
+        return plan
+    pages = 0
+    if log2_block_size is not None:
+        pages = 4 * ((long_len >> log2_block_size) + 1)
+        if pages > MAX_PAGE_BYTES - 4:
+            return plan
+    return DecodePlan(plan.splits, long_len, LUT_BYTES + pages, plan.slots, long_splits, short_len)
+
+
+@functools.lru_cache(maxsize=32)
+def _workspace(device_index: int, splits: int, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Reused by every layer of a step: the merge that reads it is stream-ordered before the next decode writes.
+    device = torch.device("cuda", device_index)
+    return (
+        torch.empty(splits, rows, head_dim, dtype=torch.float32, device=device),
+        torch.empty(splits, rows, dtype=torch.float32, device=device),
+    )
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """Everything about one decode call that depends only on its shape: kernels, grid, plan, workspace."""
+
+    kernel: Any
+    merge: Any
+    kernel_ptr: int  # CUfunction handles (RawKernel.kernel.ptr) for the fast launch path
+    merge_ptr: int
+    grid: tuple[int, int, int]
+    threads: int
+    plan: DecodePlan
+    part_out: torch.Tensor | None
+    part_lse: torch.Tensor | None
+    prefetch: int  # the kernel's L2 prefetch distance (chunks)
+
+
+_LAUNCHES: dict[tuple, _Launch] = {}
+_CACHE_LIMIT = 256
+
+
+def clear_caches() -> None:
+    """Forget cached plans, workspaces and argument blocks (after changing the tuning constants)."""
+    _LAUNCHES.clear()
+    loader.clear_arg_blocks()
+    plan_decode.cache_clear()
+    _workspace.cache_clear()
+
+
+def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tuple[int, int, int],
+                rows: int, length: int, log2_block_size: int | None, heads: int) -> _Launch:
+    key = (mode, head_dim, query_kind, index, units, rows, length, log2_block_size, heads, WARPS, SLOT_FACTOR,
+           FIRST_PLACE_SPEEDUP, FIRST_PLACE_SPEEDUP_8_SLOTS, TMA_TILES, PREFETCH_CHUNKS, TMA_PREFETCH_CHUNKS,
+           CONTIGUOUS_PREFETCH_CHUNKS)
+    found = _LAUNCHES.get(key)
+    if found is not None:
+        return found
+    batch, kv_heads, head_groups = units
+    warps = warps_for(head_dim)
+    options = build_options(mode, heads, log2_block_size, head_dim, loader.device_capability(index)[0])
+    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, options)
+    slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
+    plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
+    plan = balance_places(plan, batch * kv_heads * head_groups, length, _sm_count(index), ctas_per_sm,
+                          log2_block_size, FIRST_PLACE_SPEEDUP if heads == 4 else FIRST_PLACE_SPEEDUP_8_SLOTS)
+    staged = staged_tile_bytes(options, head_dim, warps)
+    if staged:
+        plan = dataclasses.replace(plan, shared_mem=plan.shared_mem + staged)
+    grid = (plan.splits, kv_heads * head_groups, batch)
+    merge = part_out = part_lse = None
+    merge_ptr = 0
+    if plan.splits > 1:
+        part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
+        merge, merge_ptr = split_k.merge_kernel(head_dim, index, plan.splits)
+    if mode != MODE_PAGED:
+        prefetch = CONTIGUOUS_PREFETCH_CHUNKS
+    else:
+        prefetch = TMA_PREFETCH_CHUNKS if TMA_OPTION in options else PREFETCH_CHUNKS
+    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, part_out,
+                    part_lse, prefetch)
+    if len(_LAUNCHES) >= _CACHE_LIMIT:
+        _LAUNCHES.clear()
+    _LAUNCHES[key] = found
+    return found
+
+
+def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int, args: tuple, device_index: int,
+                  shared_mem: int = 0) -> None:
+    """:func:`flashquant_hf.kernels.loader.launch_cached` with this module's ``FAST_LAUNCH`` and
+    ``PROGRAMMATIC_LAUNCH`` settings."""
+    loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH,
+                         PROGRAMMATIC_LAUNCH)
+
+
+def run_decode(
+    mode: int, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, batch: int, kv_heads: int,
+    group: int, max_len: int, centroids: tuple[torch.Tensor, torch.Tensor], scale: float, out: torch.Tensor,
+    lse: torch.Tensor, log2_block_size: int | None = None,
+) -> None:
+    """Plan, launch the decode kernel and (for several splits) the merge into ``out``, ``lse`` (contiguous,
+    ``rows x D`` and ``rows`` elements).
+
+    ``tensor_args``: the 25 layout arguments of the kernel between the query strides and ``k_cent`` (pointers as
+    tensors or ``NULL``, strides as ``np.int64``, ints as int). The grid's units are ``units_shape(batch, H_kv,
+    group)``.
+    The plan, workspace and argument layout are cached per shape, so repeated calls (every layer of every decode
+    step) only rewrite pointers and launch.
+    """
+    index = q3.device.index
+    if index is None:
+        index = torch.cuda.current_device()
+    head_dim = q3.shape[-1]
+    rows = lse.numel()
+    length = -(-max_len // GRANULE) * GRANULE
+    setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], index, units_shape(batch, kv_heads, group), rows,
+                        length, log2_block_size, head_slots(group))
+    plan = setup.plan
+    if plan.splits == 1:  # written directly
+        part_out, part_lse = out, lse
+    else:
+        part_out, part_lse = setup.part_out, setup.part_lse
+    args = (
+        q3, np.int64(q_strides[0]), np.int64(q_strides[1]), np.int64(q_strides[2]), *tensor_args,
+        centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, *plan.kernel_lengths,
+        part_out, part_lse, rows, setup.prefetch,
+    )
+    launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
+    if setup.merge is not None:
+        launch_cached(setup.merge, setup.merge_ptr, split_k.merge_grid(rows), split_k.MERGE_THREADS,
+                      split_k.contiguous_merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim), index)
+
+
+def check_query(q_rot: torch.Tensor, rank: int, layout: str) -> None:
+    """Common checks of the rotated queries (CUDA, dtype, rank, head_dim)."""
+    checks.check_tensor("q_rot", q_rot, dtypes=tuple(QUERY_KINDS))
+    if q_rot.dim() != rank:
+        raise ValueError(f"`q_rot` must have shape {layout}, got {list(q_rot.shape)}")
+    if q_rot.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"`q_rot` head_dim must be one of {HEAD_DIMS} for the CUDA decode, got {q_rot.shape[-1]}")
+
+
+def check_codebooks(k_centroids: torch.Tensor, v_centroids: torch.Tensor, k_bits: int, v_bits: int,
+                    device: torch.device) -> None:
+    """TQ4 only in CUDA; fp32 [16] contiguous centroids on the queries' device."""
+    if k_bits != 4 or v_bits != 4:
+        raise NotImplementedError(
+            f"the CUDA decode supports 4-bit keys and values only, got k_bits={k_bits}, v_bits={v_bits}; "
+            "use the PyTorch reference (FLASHQUANT_BACKEND=torch) for other bit widths"
+        )
+    for name, c in (("k_centroids", k_centroids), ("v_centroids", v_centroids)):
+        checks.check_layout(name, c, torch.float32, (16,))
+        if not c.is_contiguous():
+            raise ValueError(f"`{name}` must be contiguous, got strides {c.stride()}")
+        checks.check_device(name, c, device, like="`q_rot`")
