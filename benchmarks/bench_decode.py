@@ -187,7 +187,7 @@ def _plan(dl, index, batch, keys, log2_bs):
 def run(record) -> None:
     import flashquant_hf.kernels.decode_launch as dl
     from flashquant_hf.kernels.paged_decode import paged_decode
-    from flashquant_hf.kernels.split_k import launch_merge
+    from flashquant_hf.kernels.merge_partials import launch_merge
 
     dev = torch.device("cuda")
     index = dev.index or 0
@@ -254,8 +254,8 @@ def run(record) -> None:
             part_out.zero_()
             part_lse.zero_()
             merge = _gpu_ms(lambda _: launch_merge(part_out, part_lse, out, lse), [None]) if plan.splits > 1 else 0.0
-            record(f"split_k_reduce_ms_{tag}", merge, "ms")
-            record(f"split_k_reduce_fraction_{tag}", merge / ms, "fraction", "< 0.05")
+            record(f"merge_partials_ms_{tag}", merge, "ms")
+            record(f"merge_partials_fraction_{tag}", merge / ms, "fraction", "< 0.05")
             sets64 = [(*_paged_set(batch, keys, 64, dev, seed), s[3]) for seed, s in enumerate(sets)]
             record(f"paged_decode_ms_{tag}_bs64", _gpu_ms(paged_fn(keys, 64), sets64), "ms")
             del sets64

@@ -177,7 +177,7 @@ def run(record) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     input_ids = torch.randint(0, LLAMA3_8B["vocab_size"], (BATCH, CONTEXT), device="cuda", generator=generator)
     record("e2e_tq_backend_is_cuda", float(resolve_backend(input_ids[:1, :1].float()) == "cuda"), "flag")
-    for op in ("compress", "tq_decode", "split_k"):  # a missing kernel means the PyTorch reference ran
+    for op in ("compress", "tq_decode", "merge_partials"):  # a missing kernel means the PyTorch reference ran
         present = importlib.util.find_spec(f"flashquant_hf.kernels.{op}") is not None
         record(f"e2e_kernel_{op}_present", float(present), "flag")
 

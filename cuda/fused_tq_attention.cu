@@ -21,7 +21,7 @@
 //
 // Also here: fused_tq_attention_cluster_fwd (sm_90 thread-block clusters that decode each key tile once per
 // cluster and share it through distributed shared memory; see its section). The key splits are merged by the
-// decode path's log-sum-exp merge, fqr::split_k_merge in split_k_reduce.cu.
+// decode path's log-sum-exp merge, fqr::merge_partials_kernel in merge_partials.cu.
 #include "cluster.cuh"
 #include "fa_common.cuh"
 

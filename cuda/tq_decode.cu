@@ -29,7 +29,7 @@
 // Softmax runs in the log2 domain (log2(e) folded into the scale); norms scale the scores per key after the
 // mma and P (not the denominator) is multiplied by the value norms before the transpose. The column maxima are
 // reduced across lanes only when a vote finds a lane whose scores exceed the running max. Each split writes a
-// normalised partial output and its natural-log lse (-inf, out 0 for an empty split); split_k_reduce.cu merges.
+// normalised partial output and its natural-log lse (-inf, out 0 for an empty split); merge_partials.cu merges.
 //
 // Template parameters: D head dim (64/128/256), QK query dtype (0 fp16 -> fp16 mma, 1 bf16, 2 fp32 -> bf16 mma),
 // MODE 0 contiguous, 1 contiguous + key_bias, 2 paged (paged and contiguous differ only in address computation),

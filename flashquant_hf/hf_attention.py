@@ -365,7 +365,7 @@ def compressed_attention(
     out_e, lse_e = exact_attention(query, keys, values, exact_bias, scale, softcap)
 
     stacked_out, stacked_lse = torch.stack([out_c, out_e]), torch.stack([lse_c, lse_e])
-    merge = implementation("split_k", stacked_out, backend=layer.config.backend)
+    merge = implementation("merge_partials", stacked_out, backend=layer.config.backend)
     out, _ = merge.merge_partials(stacked_out, stacked_lse)
     return _to_model_layout(out, query.dtype)
 

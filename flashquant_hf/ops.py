@@ -66,5 +66,5 @@ def tq_attention(
 
 
 def merge_partials(outs, lses):
-    """See :func:`flashquant_hf.reference.split_k.merge_partials`."""
-    return implementation("split_k", outs).merge_partials(outs, lses)
+    """See :func:`flashquant_hf.reference.merge_partials.merge_partials`."""
+    return implementation("merge_partials", outs).merge_partials(outs, lses)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashquant_hf import TurboQuantizer
-from flashquant_hf.reference.split_k import merge_partials
+from flashquant_hf.reference.merge_partials import merge_partials
 from flashquant_hf.reference.tq_attention import tq_attention
 
 
@@ -76,7 +76,7 @@ def test_key_bias_masks_padding_and_fully_masked_rows_are_zero():
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 16])
-def test_split_k_merge_equals_unsplit(splits):
+def test_merge_partials_equals_unsplit(splits):
     """Partial attentions over disjoint key ranges (some empty) merge to the full result."""
     q, kq, vq, kc, vc = _compressed_case(2, 8, 2, 1, 50, 64)
     full, full_lse = _run(q, kq, vq, kc, vc, 0.125, False)

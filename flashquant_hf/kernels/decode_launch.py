@@ -1,4 +1,4 @@
-"""Planning and launching of the split-K decode kernel (``cuda/tq_decode.cu``, merged by ``cuda/split_k_reduce.cu``).
+"""Planning and launching of the split-K decode (``cuda/tq_decode.cu``, splits merged by ``cuda/merge_partials.cu``).
 
 The machinery under the two decode wrappers, ``tq_decode.py`` (contiguous layout) and ``paged_decode.py`` (paged
 store): the build a launch compiles, the split plan (from the SM count, the batch and the length), the cached
@@ -8,7 +8,7 @@ differs (template ``MODE``).
 Host-side plan, once per (shape, length bucket) and reused by every layer of a decode step: the key range of
 each (sequence, KV head) is cut into ``splits`` equal pieces of ``split_len`` keys (a multiple of ``GRANULE``,
 the keys of one round of all warps of a CTA), chosen to fill ``SMs x CTAs-per-SM`` slots in whole waves; with one
-split the kernel writes the result directly, otherwise ``split_k_reduce.cu`` merges the partials.
+split the kernel writes the result directly, otherwise ``merge_partials.cu`` merges the partials.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..paged import BLOCK_SIZES
-from . import checks, loader, split_k
+from . import checks, loader, merge_partials
 from .loader import get_kernel
 
 CUDA_SOURCE = "tq_decode.cu"
@@ -314,7 +314,7 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tu
     merge_ptr = 0
     if plan.splits > 1:
         part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
-        merge, merge_ptr = split_k.merge_kernel(head_dim, index, plan.splits)
+        merge, merge_ptr = merge_partials.merge_kernel(head_dim, index, plan.splits)
     if mode != MODE_PAGED:
         prefetch = CONTIGUOUS_PREFETCH_CHUNKS
     else:
@@ -369,8 +369,9 @@ def run_decode(
     )
     launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
     if setup.merge is not None:
-        launch_cached(setup.merge, setup.merge_ptr, split_k.merge_grid(rows), split_k.MERGE_THREADS,
-                      split_k.contiguous_merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim), index)
+        merge_args = merge_partials.contiguous_merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim)
+        launch_cached(setup.merge, setup.merge_ptr, merge_partials.merge_grid(rows), merge_partials.MERGE_THREADS,
+                      merge_args, index)
 
 
 def check_query(q_rot: torch.Tensor, rank: int, layout: str) -> None:

@@ -4,8 +4,8 @@ FlashAttention-2 with the K/V tiles decompressed inside the tile loop (``cuda/fu
 bytes and norms go HBM -> shared memory, centroids are looked up into bf16 tiles there, and the tensor cores
 take it from there; no full-precision K/V is written anywhere. Queries are converted to bf16 for the mma.
 When the (row block x KV head x batch) grid cannot fill the GPU, the keys are split across CTAs and the
-partial results merged by log-sum-exp with the decode path's merge kernel (``cuda/split_k_reduce.cu``, see
-:mod:`flashquant_hf.kernels.split_k`; :func:`merge_splits` launches it on its own).
+partial results merged by log-sum-exp with the decode path's merge kernel (``cuda/merge_partials.cu``, see
+:mod:`flashquant_hf.kernels.merge_partials`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import numpy as np
 import torch
 
-from . import checks, loader, split_k
+from . import checks, loader, merge_partials
 from .flash_attention import MAX_GRID_YZ, TileConfig, aligned_rows, as_aligned, check_heads_grid_scale
 
 CUDA_SOURCE = "fused_tq_attention.cu"
@@ -202,7 +202,7 @@ class _Plan:
     index: int
     device: torch.device
     out_shape: tuple[int, ...]  # [B, Hq, Lq, D]
-    merge: object  # split_k_merge for splits > 1, else None
+    merge: object  # the merge_partials kernel for splits > 1, else None
     merge_ptr: int
     merge_grid: tuple[int, int, int]
     rows: int  # B * Hq * Lq
@@ -255,11 +255,11 @@ def _make_plan(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, scal
         *bias_strides, np.float32(float(scale) * math.log2(math.e)), i32(bool(causal)),
     )
     rows = batch * q_heads * q_len
-    merge, merge_ptr = split_k.merge_kernel(head_dim, index, splits) if splits > 1 else (None, 0)
+    merge, merge_ptr = merge_partials.merge_kernel(head_dim, index, splits) if splits > 1 else (None, 0)
     plan = _Plan(
         kernel, loader.function_ptr(kernel, index), (grid_row_blocks(q_len, group, config), kv_heads, batch * splits),
         config.threads, shared_bytes(head_dim, k_bits, v_bits, config), scalars, splits, q is not q_rot, index,
-        device, (batch, q_heads, q_len, head_dim), merge, merge_ptr, split_k.merge_grid(rows), rows,
+        device, (batch, q_heads, q_len, head_dim), merge, merge_ptr, merge_partials.merge_grid(rows), rows,
     )
     copied = kp is not k_packed or vp is not v_packed
     return (None if copied else plan), (plan, q, kp, vp)
@@ -358,38 +358,6 @@ def _splits(index: int, batch: int, q_heads: int, q_len: int, head_dim: int, kv_
     return max(1, min(splits, MAX_GRID_YZ // max(1, batch)))
 
 
-def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor | None = None,
-                 lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-sum-exp merge of the partial results of :func:`launch_tq_prefill` in one launch of the split-K merge
-    kernel (``cuda/split_k_reduce.cu``; the math of :func:`flashquant_hf.reference.split_k.merge_partials`).
-
-    Parameters
-    ----------
-    out_parts : fp32 contiguous shape [S, B, Hq, Lq, D], D in {64, 128, 256}, each split normalised on its own
-    lse_parts : fp32 contiguous shape [S, B, Hq, Lq], natural log (-inf for a split that saw no key)
-    out, lse : optional preallocated contiguous fp32 outputs of the shapes below (tests poison them)
-
-    Returns
-    -------
-    out : fp32 shape [B, Hq, Lq, D] (0 where no split saw a key); lse : fp32 shape [B, Hq, Lq] (-inf there)
-    """
-    splits, batch, q_heads, q_len, head_dim = out_parts.shape
-    dev = out_parts.device
-    if out is None:
-        out = torch.empty(batch, q_heads, q_len, head_dim, dtype=F32, device=dev)
-    if lse is None:
-        lse = torch.empty(batch, q_heads, q_len, dtype=F32, device=dev)
-    rows = batch * q_heads * q_len
-    if rows == 0:
-        return out, lse
-    index = loader.device_index(dev)
-    kernel, kernel_ptr = split_k.merge_kernel(head_dim, index, splits)
-    args = split_k.contiguous_merge_args(out_parts, lse_parts, out, lse, splits, rows, head_dim)
-    loader.launch_cached(kernel, kernel_ptr, split_k.merge_grid(rows), split_k.MERGE_THREADS, args, index, 0,
-                         FAST_LAUNCH)
-    return out, lse
-
-
 def tq_prefill_with(
     config: TileConfig, q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
     causal: bool = False, key_bias=None, splits: int | None = None,
@@ -421,8 +389,8 @@ def _run(config, q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_cen
     parts_ptr = parts.data_ptr()
     part_out, part_lse = np.uint64(parts_ptr), np.uint64(parts_ptr + 4 * plan.splits * rows * head_dim)
     _execute(plan, q, kp, vp, k_norms, v_norms, k_centroids, v_centroids, key_bias, part_out, part_lse)
-    args = split_k.contiguous_merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim)
-    loader.launch_cached(plan.merge, plan.merge_ptr, plan.merge_grid, split_k.MERGE_THREADS, args, plan.index, 0,
+    args = merge_partials.contiguous_merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim)
+    loader.launch_cached(plan.merge, plan.merge_ptr, plan.merge_grid, merge_partials.MERGE_THREADS, args, plan.index, 0,
                          FAST_LAUNCH)
     return out, lse
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import flashquant_hf.kernels.decode_launch as dl  # noqa: E402
 from flashquant_hf.codebook import lloyd_max_codebook  # noqa: E402
 from flashquant_hf.kernels.paged_decode import paged_decode  # noqa: E402
-from flashquant_hf.kernels.split_k import merge_partials  # noqa: E402
+from flashquant_hf.kernels.merge_partials import merge_partials  # noqa: E402
 from flashquant_hf.kernels.tq_decode import tq_decode  # noqa: E402
 from flashquant_hf.paged import PagedLayout  # noqa: E402
 

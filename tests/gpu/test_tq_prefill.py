@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashquant_hf.codebook import lloyd_max_codebook
-from flashquant_hf.kernels import loader, split_k
+from flashquant_hf.kernels import loader, merge_partials
 from flashquant_hf.kernels import tq_prefill as tqp
 from flashquant_hf.reference.tq_attention import tq_attention as reference
 
@@ -59,7 +59,7 @@ def _compiled():
     names |= {tqp.name_expression(128, kb, vb, c) for c in CLUSTER_CONFIGS for kb, vb in CLUSTER_BITS + BITS[128]}
     names |= {tqp.name_expression(128, kb, vb, tqp.fallback_config(128)) for kb, vb in BITS[128]}
     kernels = [(tqp.CUDA_SOURCE, n) for n in sorted(names)]
-    kernels += [(split_k.CUDA_SOURCE, split_k.merge_name(d)) for d in tqp.HEAD_DIMS]  # the split merge
+    kernels += [(merge_partials.CUDA_SOURCE, merge_partials.merge_name(d)) for d in tqp.HEAD_DIMS]  # the split merge
     device = torch.device("cuda", torch.cuda.current_device())
     try:
         with ThreadPoolExecutor(max_workers=16) as pool:
@@ -79,8 +79,8 @@ def run_poisoned(config, splits, causal, inp):
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten partial output"
     if splits == 1:
         return out[0], lse[0]
-    from flashquant_hf.reference.split_k import merge_partials
-    return merge_partials(out, lse)
+    from flashquant_hf.reference.merge_partials import merge_partials as reference_merge
+    return reference_merge(out, lse)
 
 
 def assert_matches(out, lse, inp, causal, label=""):
@@ -157,8 +157,9 @@ def test_split_keys_merge(splits):
 @pytest.mark.parametrize("head_dim", tqp.HEAD_DIMS)
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_merge_kernel_matches_reference(head_dim, splits):
-    """The one-kernel split merge against the torch reference: empty splits (-inf), a row no split saw."""
-    from flashquant_hf.reference.split_k import merge_partials
+    """The merge kernel on the prefill's partials ([S, B, Hq, Lq, D]) against the torch reference: empty splits
+    (-inf), a row no split saw; outputs poisoned first."""
+    from flashquant_hf.reference.merge_partials import merge_partials as reference_merge
 
     gen = torch.Generator(device=DEV).manual_seed(head_dim + splits)
     shape = (splits, 2, 3, 37)
@@ -171,8 +172,9 @@ def test_merge_kernel_matches_reference(head_dim, splits):
     parts[:, 1, 2, 5] = 0.0
     out = torch.full(shape[1:] + (head_dim,), float("nan"), device=DEV)
     lse = torch.full(shape[1:], float("nan"), device=DEV)
-    tqp.merge_splits(parts, lses, out, lse)
-    ref_out, ref_lse = merge_partials(parts, lses)
+    merge_partials.launch_merge(parts.view(splits, -1, head_dim), lses.view(splits, -1), out.view(-1, head_dim),
+                                lse.view(-1))
+    ref_out, ref_lse = reference_merge(parts, lses)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
     assert lse[1, 2, 5] == -math.inf and torch.all(out[1, 2, 5] == 0)

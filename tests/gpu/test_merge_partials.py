@@ -1,4 +1,4 @@
-"""GPU tests of the split-K log-sum-exp merge (``kernels/split_k.py``) against a float64 merge."""
+"""GPU tests of the log-sum-exp merge ``merge_partials`` (``kernels/merge_partials.py``) against a float64 merge."""
 
 import math
 
@@ -21,7 +21,7 @@ def reference64(outs, lses):
 @pytest.mark.parametrize("splits", [1, 2, 7, 32, 40, 64])  # the kernel takes splits 32 at a time
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_merge_matches_float64(splits, head_dim):
-    from flashquant_hf.kernels.split_k import merge_partials
+    from flashquant_hf.kernels.merge_partials import merge_partials
 
     outs = torch.randn(splits, 3, 5, head_dim, device=DEV)
     lses = torch.randn(splits, 3, 5, device=DEV) * 4
@@ -39,7 +39,7 @@ def test_merge_matches_float64(splits, head_dim):
 
 
 def test_merge_non_contiguous_and_half_inputs():
-    from flashquant_hf.kernels.split_k import merge_partials
+    from flashquant_hf.kernels.merge_partials import merge_partials
 
     big = torch.randn(4, 6, 2, 128, device=DEV, dtype=torch.float16)
     outs = big[:, ::2]  # [4, 3, 2, 128], strided
@@ -51,7 +51,7 @@ def test_merge_non_contiguous_and_half_inputs():
 
 
 def test_merge_writes_every_output(monkeypatch, poison):
-    from flashquant_hf.kernels.split_k import merge_partials
+    from flashquant_hf.kernels.merge_partials import merge_partials
 
     outs = torch.randn(3, 37, 128, device=DEV)
     lses = torch.randn(3, 37, device=DEV)
@@ -63,7 +63,7 @@ def test_merge_writes_every_output(monkeypatch, poison):
 
 
 def test_merge_validation():
-    from flashquant_hf.kernels.split_k import merge_partials
+    from flashquant_hf.kernels.merge_partials import merge_partials
 
     with pytest.raises(ValueError, match="must have shape"):
         merge_partials(torch.randn(2, 3, 8, device=DEV), torch.randn(2, 4, device=DEV))

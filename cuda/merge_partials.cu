@@ -7,7 +7,10 @@
 // One warp per row; each lane owns D/32 consecutive floats (vector loads), so a row costs S coalesced reads.
 // The weights are computed lane-parallel (lane j: split s0 + j, its lse read once) and broadcast with shuffles,
 // so the S row reads do not wait on each other: a row with 32 splits (B=1, N=128K decode) at D <= 128 costs two
-// L2 round trips (lses, then every row read), not 32 (the serial loop took 16.5 us there, H200 ncu). D = 0 selects a generic loop over any head_dim.
+// L2 round trips (lses, then every row read), not 32 as a loop over the splits would. D = 0 selects a generic
+// loop over any head_dim.
+//
+// Build switches: none (kernels/merge_partials.py compiles every instantiation without options).
 
 #include "grid_dependency.cuh"
 
@@ -68,7 +71,7 @@ __device__ __forceinline__ void store_vec(float* p, const Vec<N>& v) {
 // many splits; 4 keeps the registers low for the many-row, few-split merges of the prefill).
 template <int D, int kInFlight>
 __global__ void __launch_bounds__(32 * kRowsPerBlock)
-split_k_merge(const float* __restrict__ outs, long long o_ss, long long o_sr, const float* __restrict__ lses,
+merge_partials_kernel(const float* __restrict__ outs, long long o_ss, long long o_sr, const float* __restrict__ lses,
               long long l_ss, long long l_sr, float* __restrict__ out, float* __restrict__ lse, int num_splits,
               int rows, int head_dim) {
   grid_dependency_wait();  // the partials come from the decode or prefill grid launched just before

@@ -1,4 +1,5 @@
-"""Reference log-sum-exp merge of partial attention results (split-K / exact-window merge)."""
+"""Reference ``merge_partials``: log-sum-exp merge of partial attention results (the split-K decode's and
+prefill's key splits, the compressed part and the exact window of the HF attention)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CUDA ``merge_partials``: log-sum-exp merge of partial attention results (``cuda/split_k_reduce.cu``)."""
+"""CUDA ``merge_partials``: log-sum-exp merge of partial attention results (``cuda/merge_partials.cu``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from . import checks
 from . import loader
 from .loader import get_kernel, launch
 
-CUDA_SOURCE = "split_k_reduce.cu"
+CUDA_SOURCE = "merge_partials.cu"
 VECTOR_HEAD_DIMS = (64, 128, 256)
 ROWS_PER_BLOCK = 8
 MERGE_THREADS = 32 * ROWS_PER_BLOCK  # one warp per row
@@ -30,8 +30,8 @@ def reads_in_flight(head_dim: int, splits: int) -> int:
 def merge_name(head_dim: int, splits: int = 2) -> str:
     """Name expression of the merge of ``splits`` partials for ``head_dim`` (0: the generic head_dim loop)."""
     if head_dim not in VECTOR_HEAD_DIMS:
-        return "fqr::split_k_merge<0, 4>"
-    return f"fqr::split_k_merge<{head_dim}, {reads_in_flight(head_dim, splits)}>"
+        return "fqr::merge_partials_kernel<0, 4>"
+    return f"fqr::merge_partials_kernel<{head_dim}, {reads_in_flight(head_dim, splits)}>"
 
 
 def merge_kernel(head_dim: int, device_index: int, splits: int) -> tuple[object, int]:
@@ -92,7 +92,8 @@ def launch_merge(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse:
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge S partial attentions over disjoint key sets (see :func:`flashquant_hf.reference.split_k.merge_partials`).
+    """Merge S partial attentions over disjoint key sets (see
+    :func:`flashquant_hf.reference.merge_partials.merge_partials`).
 
     outs : shape [S, ..., D], each normalised by its own softmax sum; lses : shape [S, ...] natural log, -inf for
     an empty split. Returns (out [..., D] fp32, lse [...] fp32); rows whose splits are all empty get out 0, lse -inf.
