@@ -1,4 +1,4 @@
-// Shared device code of the FlashAttention-2 forward kernels (flash_attention.cu, fused_tq_attention.cu).
+// Shared device code of the FlashAttention-2 forward kernels (flash_attention.cu, tq_prefill.cu).
 //
 // Tiling. A CTA owns BM = WARPS * MT * 16 query rows; each warp owns MT row tiles of 16 and keeps their output
 // accumulators, running max and running sum in registers (fp32). Keys stream through a two-stage shared-memory

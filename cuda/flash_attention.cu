@@ -10,6 +10,8 @@
 //
 // Shared memory: [stage 0: K | V][stage 1: K | V][Q]; with Q in registers, Q is staged in stage 1 (it is
 // moved to registers before stage 1 is first written).
+//
+// Build switches: none (kernels/flash_attention.py selects tilings by template arguments).
 #include "fa_common.cuh"
 
 template <int D, typename T, int WARPS, int MT, int BN, bool QREG>

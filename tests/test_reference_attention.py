@@ -96,3 +96,38 @@ def test_merge_partials_equals_unsplit(splits):
 def test_merge_of_only_empty_splits_is_zero_with_neg_inf_lse():
     out, lse = merge_partials(torch.randn(3, 2, 8), torch.full((3, 2), float("-inf")))
     assert torch.equal(out, torch.zeros(2, 8)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("op,function", [
+    ("tq_attention", "tq_attention"),
+    ("tq_decode", "tq_decode"),
+    ("tq_prefill", "tq_prefill"),
+    ("paged_decode", "paged_decode"),
+    ("merge_partials", "merge_partials"),
+    ("flash_attention", "flash_attention"),
+    ("compress", "compress"),
+    ("decompress", "decompress"),
+])
+def test_every_kernel_op_has_a_reference_of_the_same_name_and_signature(op, function):
+    """kernels/<op>.py and reference/<op>.py define the same function with the same parameters and defaults."""
+    import importlib
+    import inspect
+
+    kernel = getattr(importlib.import_module(f"flashquant_hf.kernels.{op}"), function)
+    reference = getattr(importlib.import_module(f"flashquant_hf.reference.{op}"), function)
+    params = [(p.name, p.kind, p.default) for p in inspect.signature(kernel).parameters.values()]
+    assert params == [(p.name, p.kind, p.default) for p in inspect.signature(reference).parameters.values()]
+
+
+def test_reference_tq_decode_takes_one_query_token():
+    """The reference tq_decode keeps the CUDA decode's contract (Lq == 1) and equals tq_attention there."""
+    from flashquant_hf.reference.tq_decode import tq_decode
+
+    q, kq, vq, kc, vc = _compressed_case(2, 4, 2, 1, 30, 64)
+    args = (kc.indices, kc.norms, vc.indices, vc.norms, kq.centroids(), vq.centroids(), 4, 4, 0.125)
+    q_rot = q @ kq.rotation().T
+    out, lse = tq_decode(q_rot, *args)
+    want_out, want_lse = tq_attention(q_rot, *args)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    with pytest.raises(ValueError, match="one query token"):
+        tq_decode(torch.cat([q_rot, q_rot], dim=2), *args)

@@ -1,6 +1,6 @@
 """CUDA ``tq_prefill``: ``tq_attention`` for query chunks (Lq >= 1) over the contiguous compressed layout.
 
-FlashAttention-2 with the K/V tiles decompressed inside the tile loop (``cuda/fused_tq_attention.cu``): packed
+FlashAttention-2 with the K/V tiles decompressed inside the tile loop (``cuda/tq_prefill.cu``): packed
 bytes and norms go HBM -> shared memory, centroids are looked up into bf16 tiles there, and the tensor cores
 take it from there; no full-precision K/V is written anywhere. Queries are converted to bf16 for the mma.
 When the (row block x KV head x batch) grid cannot fill the GPU, the keys are split across CTAs and the
@@ -20,7 +20,7 @@ import torch
 from . import checks, loader, merge_partials
 from .flash_attention import MAX_GRID_YZ, TileConfig, aligned_rows, as_aligned, check_heads_grid_scale
 
-CUDA_SOURCE = "fused_tq_attention.cu"
+CUDA_SOURCE = "tq_prefill.cu"
 HEAD_DIMS = (64, 128, 256)
 KERNEL_BITS = (2, 3, 4)
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -65,13 +65,13 @@ def part_bytes(head_dim: int, bits: int) -> int:
 
 
 def name_expression(head_dim: int, k_bits: int, v_bits: int, config: TileConfig) -> str:
-    """C++ name of one instantiation of ``fused_tq_attention_fwd`` (``fused_tq_attention_cluster_fwd`` when
+    """C++ name of one instantiation of ``tq_prefill_kernel`` (``tq_prefill_cluster_kernel`` when
     ``config.cluster`` >= 1)."""
     overlap = "true" if config.overlap else "false"
     if config.cluster:
-        return (f"fused_tq_attention_cluster_fwd<{head_dim}, {k_bits}, {v_bits}, {config.template_args()}, {overlap}, "
+        return (f"tq_prefill_cluster_kernel<{head_dim}, {k_bits}, {v_bits}, {config.template_args()}, {overlap}, "
                 f"{config.cluster}>")
-    return f"fused_tq_attention_fwd<{head_dim}, {k_bits}, {v_bits}, {config.template_args()}, {overlap}>"
+    return f"tq_prefill_kernel<{head_dim}, {k_bits}, {v_bits}, {config.template_args()}, {overlap}>"
 
 
 def fallback_config(head_dim: int) -> TileConfig:
@@ -106,7 +106,7 @@ def grid_row_blocks(q_len: int, group: int, config: TileConfig) -> int:
 
 
 def shared_bytes(head_dim: int, k_bits: int, v_bits: int, config: TileConfig) -> int:
-    """Dynamic shared memory of ``fused_tq_attention_fwd`` (mirrors the layout comment of the kernel)."""
+    """Dynamic shared memory of ``tq_prefill_kernel`` (mirrors the layout comment of the kernel)."""
     bn = config.block_n
     stage = 2 * bn * 2 * head_dim + 3 * bn * 4
     q_tile = config.block_m * 2 * head_dim

@@ -19,9 +19,11 @@
 // Shared memory: [stage 0: K | V | meta][stage 1: K | V | meta][raw: K bytes | V bytes | |k| | |v| | bias]
 // [tables][Q]; with Q in registers, Q is staged in stage 1 instead.
 //
-// Also here: fused_tq_attention_cluster_fwd (sm_90 thread-block clusters that decode each key tile once per
+// Also here: tq_prefill_cluster_kernel (sm_90 thread-block clusters that decode each key tile once per
 // cluster and share it through distributed shared memory; see its section). The key splits are merged by the
 // decode path's log-sum-exp merge, fqr::merge_partials_kernel in merge_partials.cu.
+//
+// Build switches: none (kernels/tq_prefill.py selects tilings and the cluster kernel by template arguments).
 #include "cluster.cuh"
 #include "fa_common.cuh"
 
@@ -226,7 +228,7 @@ FA_INLINE void store_rows(Acc<C>& acc, float* out, float* lse, const RowBlock& r
 
 template <int D, int KB, int VB, int WARPS, int MT, int BN, bool QREG, bool OVERLAP>
 __global__ void __launch_bounds__(WARPS * 32)
-fused_tq_attention_fwd(const fa::u16* __restrict__ q, const unsigned char* __restrict__ kp, const float* __restrict__ kn,
+tq_prefill_kernel(const fa::u16* __restrict__ q, const unsigned char* __restrict__ kp, const float* __restrict__ kn,
                        const unsigned char* __restrict__ vp, const float* __restrict__ vn,
                        const float* __restrict__ k_centroids, const float* __restrict__ v_centroids,
                        const float* __restrict__ bias, float* __restrict__ out, float* __restrict__ lse,
@@ -467,7 +469,7 @@ FA_INLINE void fetch_part(u32 dst, const unsigned char* src, int vec) {
 
 template <int D, int KB, int VB, int WARPS, int MT, int BN, bool QREG, bool OVERLAP, int CL>
 __global__ void __launch_bounds__(WARPS * 32) FQ_CLUSTER_DIMS(CL)
-fused_tq_attention_cluster_fwd(const fa::u16* __restrict__ q, const unsigned char* __restrict__ kp,
+tq_prefill_cluster_kernel(const fa::u16* __restrict__ q, const unsigned char* __restrict__ kp,
                                const float* __restrict__ kn, const unsigned char* __restrict__ vp,
                                const float* __restrict__ vn, const float* __restrict__ k_centroids,
                                const float* __restrict__ v_centroids, const float* __restrict__ bias,
