@@ -2,9 +2,12 @@
 
     python benchmarks/run_gpu.py [--only NAME ...] [--skip-tests] [--out DIR]
 
-Writes ``benchmarks/results.json`` (a list of {"name", "value", "unit", "target", "commit", "date"}) and,
-when ``$OUT`` or ``--out`` is set, copies of it and of the logs there. Each ``benchmarks/bench_*.py`` module
-exposes ``run(record)``; a failing benchmark is reported and the others still run.
+Writes the run's record ``benchmarks/runs/<date>_run<NN>_<commit>.json`` ({"run", "date", "commit", "gpu",
+"command", "tests", "note", "results"}), updates ``benchmarks/results.json`` (the newest value of every metric: a
+list of {"name", "value", "unit", "target", "commit", "date"}) and regenerates ``benchmarks/RESULTS.md`` from both
+(``benchmarks/render_results.py``). When ``$OUT`` or ``--out`` is set, copies of the three files and the test log
+go there too. Each ``benchmarks/bench_*.py`` module exposes ``run(record)``; a failing benchmark is reported and
+the others still run.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import datetime
 import importlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import traceback
@@ -21,6 +25,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import render_results  # noqa: E402
 
 
 def _commit() -> str:
@@ -43,7 +51,8 @@ def run_tests(out_dir: Path | None, workers: int = 0) -> tuple[int, str]:
     if out_dir:
         (out_dir / "gpu_tests.log").write_text(log)
     print("\n".join(log.splitlines()[-40:]))
-    summary = next((line.strip("= ") for line in reversed(log.splitlines()) if " passed" in line or " failed" in line), "no summary")
+    summary = next((line.strip("= ") for line in reversed(log.splitlines()) if " passed" in line or " failed" in line),
+                   "no summary")
     return proc.returncode, summary
 
 
@@ -72,14 +81,25 @@ def run_benchmarks(only: list[str] | None, save=None) -> list[dict]:
     return results
 
 
-def render_markdown(results: list[dict], gpu: str, test_summary: str) -> str:
-    """A RESULTS.md section: date, commit, GPU, and one table row per measurement."""
+def _command(args: argparse.Namespace) -> str:
+    """The command line of this run as recorded in its run file (without ``--out``: where copies went)."""
+    words = ["python", "benchmarks/run_gpu.py"]
+    if args.skip_tests:
+        words.append("--skip-tests")
+    if args.workers:
+        words += ["--workers", str(args.workers)]
+    if args.only is not None:
+        words += ["--only", *args.only]
+    return shlex.join(words)
+
+
+def run_record(number: int, results: list[dict], gpu: str, command: str, test_summary: str) -> dict:
+    """The run's file content (``benchmarks/runs/``); ``note`` is left for whoever reads the run."""
     commit = results[0]["commit"] if results else _commit()
     date = results[0]["date"] if results else datetime.date.today().isoformat()
-    lines = [f"## {date} · commit {commit} · {gpu}", "", f"GPU tests: {test_summary}", "",
-             "| name | value | unit | target |", "|---|---:|---|---|"]
-    lines += [f"| {r['name']} | {r['value']:.4g} | {r['unit']} | {r['target'] or ''} |" for r in results]
-    return "\n".join(lines) + "\n"
+    rows = [{key: r[key] for key in render_results.RESULT_KEYS} for r in results]
+    return {"run": number, "date": date, "commit": commit, "gpu": gpu, "command": command, "tests": test_summary,
+            "note": "", "results": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers for the GPU tests")
     args = parser.parse_args(argv)
+    command = _command(args)
     out_dir = Path(args.out) if args.out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -97,12 +118,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     test_rc, summary = (0, "not run") if args.skip_tests else run_tests(out_dir, args.workers)
 
+    number = render_results.next_run_number()
+    previous = render_results.load_latest()
+
     def save(results: list[dict]) -> None:
-        text = json.dumps(results, indent=1)
-        (HERE / "results.json").write_text(text)
+        record = run_record(number, results, torch.cuda.get_device_name(), command, summary)
+        latest = render_results.merge_latest(previous, results)
+        run_path = render_results.RUNS_DIR / render_results.run_file_name(record)
+        render_results.RUNS_DIR.mkdir(exist_ok=True)
+        run_path.write_text(json.dumps(record, indent=1) + "\n")
+        render_results.RESULTS_JSON.write_text(json.dumps(latest, indent=1))
+        markdown = render_results.render(latest, render_results.load_runs())
+        render_results.RESULTS_MD.write_text(markdown)
         if out_dir:
-            (out_dir / "results.json").write_text(text)
-            (out_dir / "RESULTS_section.md").write_text(render_markdown(results, torch.cuda.get_device_name(), summary))
+            (out_dir / "runs").mkdir(exist_ok=True)
+            (out_dir / "runs" / run_path.name).write_text(run_path.read_text())
+            (out_dir / "results.json").write_text(render_results.RESULTS_JSON.read_text())
+            (out_dir / "RESULTS.md").write_text(markdown)
 
     results = run_benchmarks(args.only, save)
     save(results)
