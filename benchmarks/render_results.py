@@ -34,6 +34,11 @@ RUN_KEYS = {"run": int, "date": str, "commit": str, "gpu": str, "command": str, 
             "results": list}
 RESULT_KEYS = ("name", "value", "unit", "target")
 RUN_FILE = re.compile(r"(\d{4}-\d{2}-\d{2})_run(\d+)_([^_/]+)\.json")
+# Metrics measured under an earlier name: files keep what was recorded, loading reads them under the current name.
+RENAMED = {
+    "split_k_reduce_ms_b8_n32k": "merge_partials_ms_b8_n32k",
+    "split_k_reduce_fraction_b8_n32k": "merge_partials_fraction_b8_n32k",
+}
 
 # (metric, what it measures, (ours, baseline) metrics shown next to the value when the same run measured them)
 HEADLINE: tuple[tuple[str, str, tuple[str, str] | None], ...] = (
@@ -43,8 +48,8 @@ HEADLINE: tuple[tuple[str, str, tuple[str, str] | None], ...] = (
     ("paged_decode_hbm_fraction_b8_n32k", "same, fraction of the device copy bandwidth measured in the run", None),
     ("paged_decode_speedup_b1_n128k", "same, B=1, N=128K", ("paged_decode_ms_b1_n128k", "sdpa_decode_ms_b1_n128k")),
     ("paged_decode_speedup_b32_n8k", "same, B=32, N=8K", ("paged_decode_ms_b32_n8k", "sdpa_decode_ms_b32_n8k")),
-    ("split_k_reduce_fraction_b8_n32k", "split merge's share of the paged B=8, N=32K call",
-     ("split_k_reduce_ms_b8_n32k", "paged_decode_ms_b8_n32k")),
+    ("merge_partials_fraction_b8_n32k", "split merge's share of the paged B=8, N=32K call",
+     ("merge_partials_ms_b8_n32k", "paged_decode_ms_b8_n32k")),
     ("fused_decode_speedup_b8_n32k", "decode over the contiguous layout the HF cache holds, B=8, N=32K",
      ("fused_decode_ms_b8_n32k", "sdpa_decode_ms_b8_n32k")),
     ("fa2_prefill_vs_sdpa", "FlashAttention-2 prefill (ours) vs SDPA, causal B=4, H=32, N=4096, D=128",
@@ -158,16 +163,20 @@ def load_runs(runs_dir: Path = RUNS_DIR) -> list[dict]:
         check_run(doc, str(path.name))
         if path.name != run_file_name(doc):
             raise ValueError(f"{path.name}: its content says it is {run_file_name(doc)}")
-        runs.append(doc)
+        runs.append({**doc, "results": _current_names(doc["results"])})
     numbers = [doc["run"] for doc in runs]
     if len(numbers) != len(set(numbers)):
         raise ValueError(f"two run files share a run number: {sorted(numbers)}")
     return sorted(runs, key=lambda doc: doc["run"])
 
 
+def _current_names(rows: list[dict]) -> list[dict]:
+    return [{**row, "name": RENAMED.get(row["name"], row["name"])} for row in rows]
+
+
 def load_latest(path: Path = RESULTS_JSON) -> list[dict]:
     """results.json's entries ([] when there is none)."""
-    return json.loads(path.read_text()) if path.is_file() else []
+    return _current_names(json.loads(path.read_text())) if path.is_file() else []
 
 
 def merge_latest(previous: list[dict], new: list[dict]) -> list[dict]:
