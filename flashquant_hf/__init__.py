@@ -17,7 +17,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"TurboQuantCache": "cache", "TurboQuantLayer": "cache"}
+_LAZY = {"TurboQuantCache": "cache", "TurboQuantLayer": "layer"}
 
 
 def __getattr__(name: str):

@@ -9,9 +9,11 @@ from attention_helpers import causal_mask, float64_attention
 from hf_helpers import one_thread
 
 from flashquant_hf import TurboQuantCache, TurboQuantConfig, TurboQuantLayer
-from flashquant_hf.cache import TAG, CompressedPlan, FirstPrefillTag
+from flashquant_hf.attention import compressed_attention
 from flashquant_hf.codec import quantizer
-from flashquant_hf.hf_attention import compressed_attention, install, mask_to_bias
+from flashquant_hf.masks import mask_to_bias
+from flashquant_hf.registration import install
+from flashquant_hf.tags import TAG, CompressedPlan, FirstPrefillTag
 
 B, H, D = 2, 2, 16
 

@@ -8,7 +8,7 @@ import torch
 from hf_helpers import PAD, cache_kwargs, one_thread, prompt_ids, tiny_model
 from transformers import DynamicCache
 
-from flashquant_hf import TurboQuantCache, TurboQuantConfig, hf_attention
+from flashquant_hf import TurboQuantCache, TurboQuantConfig, registration
 
 NEW = 10
 LONG_WINDOW = 1024  # longer than prompt + generated tokens: nothing is ever compressed
@@ -177,7 +177,7 @@ def test_unsupported_attention_implementation_raises_a_clear_error():
     finally:
         model.set_attn_implementation("sdpa")
         AttentionInterface._global_mapping.pop("my_kernel")
-        hf_attention._originals.pop("my_kernel", None)
+        registration._originals.pop("my_kernel", None)
 
 
 @pytest.mark.slow
