@@ -14,7 +14,7 @@ The compressed-path algorithm (one call, ``Lq`` queries, the layer holding ``S``
 A mask that is not "causal structure + per-key bias" (a custom 4D mask, a sliding window over a compressed
 layer during a multi-token chunk), soft-capping (Gemma-2) and split codes (outlier channels, QJL residual;
 :mod:`flashquant_hf.codec`) take an exact torch path instead (correct, slower: the codecs rebuild the compressed
-K/V in their rotated spaces).
+K/V in their rotated spaces). Every op runs on the layer's backend, decided once when the layer was initialised.
 """
 
 from __future__ import annotations
@@ -120,19 +120,13 @@ def _compressed_fast(
     tq_k, tq_v = layer.key_codec.quantizer, layer.value_codec.quantizer
     kp, kn, vp, vn = layer.compressed_views()
     q_rot = (query.float() @ tq_k.rotation(dev).T).to(query.dtype)
-    impl = ops.implementation("tq_attention", q_rot, kp, backend=layer.config.backend)
     args = (kp, kn, vp, vn, tq_k.centroids(dev), tq_v.centroids(dev), tq_k.bits, tq_v.bits, scale)
     outs, lses = [], []
     q_len = query.shape[2]
     for rows, causal in ((slice(0, first_causal_rows), True), (slice(first_causal_rows, q_len), False)):
         if rows.stop > rows.start:
             q_rows = q_rot[:, :, rows].contiguous()
-            try:
-                out, lse = impl.tq_attention(q_rows, *args, causal=causal, key_bias=key_bias)
-            except NotImplementedError as error:  # a kernel without this specialisation (e.g. 3-bit decode)
-                warn_once(logger, f"flashquant: {error}; using the PyTorch reference tq_attention")
-                impl = ops.implementation("tq_attention", backend="torch")
-                out, lse = impl.tq_attention(q_rows, *args, causal=causal, key_bias=key_bias)
+            out, lse = ops.tq_attention(q_rows, *args, causal=causal, key_bias=key_bias, backend=layer.backend)
             outs.append(out)
             lses.append(lse)
     out_rot = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
@@ -276,6 +270,5 @@ def compressed_attention(
     out_e, lse_e = exact_attention(query, keys, values, exact_bias, scale, softcap)
 
     stacked_out, stacked_lse = torch.stack([out_c, out_e]), torch.stack([lse_c, lse_e])
-    merge = ops.implementation("split_k", stacked_out, backend=layer.config.backend)
-    out, _ = merge.merge_partials(stacked_out, stacked_lse)
+    out, _ = ops.merge_partials(stacked_out, stacked_lse, backend=layer.backend)
     return to_model_layout(out, query.dtype)

@@ -131,8 +131,14 @@ class TurboQuantLayer(CacheLayerMixin):
                 setattr(self, name, fn(t))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Record batch, heads, head_dim, dtype and device from the first K/V; build the codecs."""
+        """Record batch, heads, head_dim, dtype and device from the first K/V; decide the backend (``"cuda"`` or
+        ``"torch"``, from ``config.backend`` and the device) once; build the codecs."""
         cfg = self.config
+        try:
+            backend = resolve_backend(key_states, value_states, requested=cfg.backend)
+        except RuntimeError as error:  # backend='cuda' without CUDA tensors or CuPy: raised before anything is set
+            raise RuntimeError(f"TurboQuantCache(backend={cfg.backend!r}): {error}") from None
+        self.backend = backend
         self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         self.key_codec = head_codec(
@@ -187,11 +193,6 @@ class TurboQuantLayer(CacheLayerMixin):
         problem = split_problem(head_dim, cfg.outlier_channels, cfg.key_qjl, cfg.rotation)
         if problem is not None:
             raise ValueError(f"{problem} (`key_states` {_shape(key_states)})")
-        if cfg.backend == "cuda":  # checked here, before anything is stored (compress would raise only after)
-            try:
-                resolve_backend(key_states, value_states, requested="cuda")
-            except RuntimeError as error:
-                raise RuntimeError(f"TurboQuantCache(backend='cuda'): {error}") from None
         if self.is_initialized:
             expected = [self.batch_size, self.num_heads, head_dim]
             got = [key_states.shape[0], key_states.shape[1], self.head_dim]
@@ -281,11 +282,9 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def _run_compress(self, tq: TurboQuantizer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dev = x.device
-        # Split codes have parts of head dims no kernel is built for: they take the reference (HeadCodec warns).
-        backend = self.config.backend if self.is_plain else "torch"
-        return ops.implementation("compress", x, backend=backend).compress(
+        return ops.compress(
             x, tq.rotation(dev), tq.boundaries(dev), tq.bits, tq.centroids(dev), tq.norm_correction,
-            tq.hadamard_signs(dev),
+            tq.hadamard_signs(dev), backend=self.backend, split_code=not self.is_plain,
         )
 
     def consume_plan(self, plan: CompressedPlan) -> None:

@@ -1,4 +1,5 @@
-"""The package's module graph: no import cycle among its modules."""
+"""The package's module graph: no import cycle among its modules, and only ``ops.py`` reaches the two
+implementations of the ops (``kernels/`` and ``reference/``), so the kernel-or-reference choice lives there."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flashquant_hf"
+IMPLEMENTATIONS = ("flashquant_hf.kernels", "flashquant_hf.reference")
 
 
 def _module_name(path: Path) -> str:
@@ -105,3 +107,21 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"flashquant_hf.a": {"flashquant_hf.b"}, "flashquant_hf.b": {"flashquant_hf.a"}}) == [
         "flashquant_hf.a", "flashquant_hf.b", "flashquant_hf.a",
     ]
+
+
+def test_only_ops_reaches_kernels_and_reference():
+    for name, path in _modules().items():
+        if name == "flashquant_hf.ops" or name.startswith(IMPLEMENTATIONS):
+            continue
+        source = path.read_text()
+        reached = sorted(t for t in _graph()[name] if t.startswith(IMPLEMENTATIONS))
+        assert not reached, f"{name} imports {reached}"
+        assert '"flashquant_hf.kernels' not in source and '"flashquant_hf.reference' not in source, name
+
+
+def test_kernels_and_reference_do_not_reach_each_other():
+    graph = _graph()
+    for name, targets in graph.items():
+        for own, other in (IMPLEMENTATIONS, IMPLEMENTATIONS[::-1]):
+            if name.startswith(own):
+                assert not [t for t in targets if t.startswith(other)], name

@@ -87,9 +87,9 @@ def test_presets_with_sinks_and_centring_run_on_kernels(monkeypatch, caplog, hea
 @pytest.mark.parametrize("levers", [dict(bits=3, outlier_channels=32), dict(bits=4, key_qjl=True)])
 def test_split_codes_run_on_the_reference_with_a_warning(monkeypatch, caplog, levers):
     """Outlier channels / QJL residual on CUDA tensors: served by the PyTorch reference, said once, same logits."""
-    from flashquant_hf import codec
+    from flashquant_hf import log
 
-    monkeypatch.setattr(codec, "_warned", False)
+    monkeypatch.setattr(log, "_warned", set())
     model = _tiny_llama(128)
     ids = torch.randint(0, 512, (2, 160), device="cuda")
     settings = dict(residual_length=16, **levers)
