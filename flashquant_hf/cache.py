@@ -2,7 +2,7 @@
 
 The cache only builds and types its layers: :class:`~flashquant_hf.layer.TurboQuantLayer` for full attention,
 transformers' own exact layers for sliding-window / chunked attention. Constructing one installs the attention
-routing of :mod:`flashquant_hf.registration` (idempotent).
+routing of :mod:`flashquant_hf.registration` (idempotent; :func:`flashquant_hf.uninstall` undoes it).
 """
 
 from __future__ import annotations

@@ -206,7 +206,8 @@ class TurboQuantLayer(CacheLayerMixin):
             raise RuntimeError(
                 f"the previous compressed K/V of TurboQuantLayer {self.layer_idx} never reached the flashquant "
                 "attention: the model's attention implementation must be 'sdpa', 'eager' or 'turboquant' (another "
-                "one would have attended to the exact window only). If the previous forward raised an error, "
+                "one, or any after `flashquant_hf.uninstall()`, would have attended to the exact window only). If "
+                "the previous forward raised an error, "
                 "call `cache.reset()` before reusing the cache."
             )
 

@@ -2,13 +2,16 @@
 
 transformers (5.17 - 5.25) calls ``cache.update(k, v, layer_idx)`` and then the function registered under
 ``config._attn_implementation`` with whatever ``update`` returned; the attention function never sees the cache.
-So ``TurboQuantLayer.update`` tags the tensors it returns (:mod:`flashquant_hf.tags`) and :func:`install` wraps
-every registered attention function: a tensor tagged with a :class:`~flashquant_hf.tags.CompressedPlan` goes to
-:func:`~flashquant_hf.attention.compressed_attention` when the model uses ``sdpa``/``eager`` (so a model loaded the
-ordinary way needs no change) and raises a clear error under any other implementation; untagged tensors go to the
-original function. ``attn_implementation="turboquant"`` is registered too (attention and mask interfaces). It is
-not called "flashquant": transformers treats every implementation name containing "flash" as FlashAttention
-(``is_flash_attention_requested``) and would hand it 2D masks and FlashAttention kernels.
+So ``TurboQuantLayer.update`` tags the tensors it returns (:mod:`flashquant_hf.tags`) and :func:`install`
+wraps the implementations it routes (:data:`ROUTED`: ``sdpa`` and ``eager``, so a model loaded the ordinary way
+needs no change): a tensor tagged with a :class:`~flashquant_hf.tags.CompressedPlan` goes to
+:func:`~flashquant_hf.attention.compressed_attention`, anything else to the original function. It also registers
+``attn_implementation="turboquant"`` (attention and mask interfaces). That name is not "flashquant": transformers
+treats every implementation name containing "flash" as FlashAttention (``is_flash_attention_requested``) and
+would hand it 2D masks and FlashAttention kernels. Other implementations are left alone; a layer whose
+compressed K/V reached one of them raises at its next ``update``.
+
+Every TurboQuantCache calls :func:`install` (idempotent); :func:`uninstall` puts back every entry it replaced.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ ROUTED = ("sdpa", "eager")  # implementations whose compressed calls are served 
 # Attention arguments that change the math and that the compressed path does not implement.
 UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "head_mask")
 
-_originals: dict[str, Callable | None] = {}
+_MISSING = object()
+# (interface, name) -> (the entry before install, the entry install put there); what uninstall() restores.
+_replaced: dict[tuple[str, str], tuple[Any, Callable]] = {}
 
 
 # --------------------------------------------------------------------------------------------- serving calls
@@ -128,17 +133,12 @@ def flashquant_attention_forward(
 
 
 def _routing(name: str, original: Callable | None) -> Callable:
-    """Wrap the attention function registered as ``name``: compressed K/V -> flashquant (or an error)."""
+    """Wrap the attention function registered as ``name`` (one of :data:`ROUTED`; None: the model's own eager):
+    compressed K/V go to the flashquant attention, everything else to ``original``."""
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         tag = getattr(key, TAG, None)
         if isinstance(tag, CompressedPlan):
-            if name not in ROUTED:
-                raise NotImplementedError(
-                    f"TurboQuantCache needs the attention implementation 'sdpa', 'eager' or 'turboquant', but this "
-                    f"model uses {name!r}: load it with attn_implementation='sdpa' or call "
-                    "model.set_attn_implementation('sdpa')"
-                )
             return _serve_compressed(module, query, tag, attention_mask, name, *args, **kwargs)
         if isinstance(tag, FirstPrefillTag):
             _adopt(module, tag, key, value)
@@ -146,44 +146,53 @@ def _routing(name: str, original: Callable | None) -> Callable:
         return target(module, query, key, value, attention_mask, *args, **kwargs)
 
     attention._flashquant_original = original
-    attention.__name__ = f"flashquant_routed_{name.replace('|', '_')}"
+    attention.__name__ = f"flashquant_routed_{name}"
     return attention
 
 
 # --------------------------------------------------------------------------------------------- (un)registering
-def install() -> None:
-    """Register ``"turboquant"`` and route every registered attention function through the TurboQuant check.
-
-    Idempotent. Functions registered after this call are wrapped by the next call (every new TurboQuantCache
-    calls it).
-    """
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    from transformers.modeling_utils import AttentionInterface
-
-    mapping = AttentionInterface._global_mapping
-    AttentionInterface.register(NAME, flashquant_attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    for name, fn in list(mapping.items()):
-        if name == NAME or hasattr(fn, "_flashquant_original"):
-            continue
-        _originals[name] = fn
-        AttentionInterface.register(name, _routing(name, fn))
-    if "eager" not in mapping:
-        _originals["eager"] = None
-        AttentionInterface.register("eager", _routing("eager", None))
-
-
-def uninstall() -> None:
-    """Restore the attention functions replaced by :func:`install` and drop ``"turboquant"``."""
+def _interfaces() -> dict[str, dict[str, Any]]:
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    mapping = AttentionInterface._global_mapping
-    for name, fn in _originals.items():
-        if fn is None:
-            mapping.pop(name, None)
-        else:
-            mapping[name] = fn
-    _originals.clear()
-    mapping.pop(NAME, None)
-    AttentionMaskInterface._global_mapping.pop(NAME, None)
+    return {"attention": AttentionInterface._global_mapping, "mask": AttentionMaskInterface._global_mapping}
+
+
+def _put(mappings: dict[str, dict[str, Any]], interface: str, name: str, entry: Callable) -> None:
+    mapping = mappings[interface]
+    _replaced[(interface, name)] = (mapping.get(name, _MISSING), entry)
+    mapping[name] = entry
+
+
+def _is_ours(mappings: dict[str, dict[str, Any]], interface: str, name: str) -> bool:
+    record = _replaced.get((interface, name))
+    return record is not None and mappings[interface].get(name, _MISSING) is record[1]
+
+
+def install() -> None:
+    """Register ``"turboquant"`` (attention and mask interfaces) and route :data:`ROUTED` through the TurboQuant
+    check. Idempotent; a routed function registered again by someone else since is wrapped anew."""
+    from transformers.masking_utils import sdpa_mask
+
+    mappings = _interfaces()
+    if not _is_ours(mappings, "attention", NAME):
+        _put(mappings, "attention", NAME, flashquant_attention_forward)
+    if not _is_ours(mappings, "mask", NAME):
+        _put(mappings, "mask", NAME, sdpa_mask)
+    for name in ROUTED:
+        if not _is_ours(mappings, "attention", name):
+            _put(mappings, "attention", name, _routing(name, mappings["attention"].get(name)))
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: every entry it registered that is still there goes back to what it replaced (or is
+    removed when there was none). Compressed K/V served afterwards reach the original functions, and the next
+    ``update`` of their layer raises; a new TurboQuantCache installs again."""
+    mappings = _interfaces()
+    for (interface, name), (before, _) in list(_replaced.items()):
+        if _is_ours(mappings, interface, name):
+            if before is _MISSING:
+                del mappings[interface][name]
+            else:
+                mappings[interface][name] = before
+    _replaced.clear()
