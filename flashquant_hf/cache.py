@@ -7,6 +7,7 @@ routing of :mod:`flashquant_hf.registration` (idempotent; :func:`flashquant_hf.u
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,16 @@ def layer_types_of(model_config: "PreTrainedConfig") -> list[tuple[str, dict]]:
     return list(zip(layer_types, layer_kwargs))
 
 
+def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
+    """``{"cache": cache}`` for a model whose ``forward`` takes ``cache`` (transformers >= 5.2x, where
+    ``past_key_values`` is deprecated), else ``{"past_key_values": cache}`` (5.17); for ``forward`` and ``generate``.
+
+    >>> # model.generate(input_ids, **cache_kwargs(model, TurboQuantCache()))
+    """
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+
+
 class TurboQuantCache(Cache):
     """A transformers Cache whose full-attention layers are :class:`TurboQuantLayer`.
 
@@ -70,7 +81,7 @@ class TurboQuantCache(Cache):
     **overrides : TurboQuantConfig fields, e.g. ``bits=3, residual_length=0``
 
     >>> cache = TurboQuantCache(bits=4, residual_length=128)
-    >>> # model.generate(input_ids, past_key_values=cache)
+    >>> # model.generate(input_ids, cache=cache)  # transformers 5.17: past_key_values=cache
     """
 
     def __init__(
@@ -95,6 +106,7 @@ class TurboQuantCache(Cache):
         self.config = config
         self._layer_types = layer_types_of(model_config) if model_config is not None else None
         self._announced = False
+        self._past_recording: dict[str, Any] | None = None  # activate_past_recording's arguments, for later layers
         install()
         if self._layer_types is None:
             super().__init__(layer_class_to_replicate=TurboQuantLayer)
@@ -113,8 +125,20 @@ class TurboQuantCache(Cache):
         if layer_type == "full_attention":
             return TurboQuantLayer(self.config, layer_idx=idx, cache=self)
         if layer_type in ("sliding_attention", "chunked_attention"):
-            return DynamicSlidingWindowLayer(sliding_window=kwargs["sliding_window"])
-        return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
+            layer = DynamicSlidingWindowLayer(sliding_window=kwargs["sliding_window"])
+        else:
+            layer = DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
+        if self._past_recording is not None and hasattr(layer, "activate_past_recording"):
+            layer.activate_past_recording(**self._past_recording)
+        return layer
+
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Make every layer that drops past states (sliding windows) keep them until the next ``crop``, as
+        transformers' ``Cache`` does, including the layers this cache builds later (lazily, or when it learns the
+        model's layer types during the first forward). ``kwargs`` are passed on as given (transformers >= 5.2x
+        passes ``recurrent_states_to_keep``; 5.17 passes nothing)."""
+        self._past_recording = kwargs
+        super().activate_past_recording(**kwargs)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs

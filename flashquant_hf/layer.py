@@ -16,7 +16,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from . import ops
 from .backend import resolve_backend
@@ -374,23 +374,40 @@ class TurboQuantLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the ``-tokens_to_remove`` newest tokens (a negative count, as in transformers 5.x).
 
-        Tokens that had already aged into the compressed part stay compressed after a crop.
+        A positive value follows the installed transformers' ``DynamicLayer.crop``: 5.17 keeps the first
+        ``tokens_to_remove`` tokens (deprecated there), later versions raise. Tokens that had already aged into the
+        compressed part stay compressed after a crop.
         """
         if isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.numel() == 1:
             tokens_to_remove = int(tokens_to_remove)  # transformers 5.17's assisted decoding passes a tensor
         if not isinstance(tokens_to_remove, int) or isinstance(tokens_to_remove, bool):
             raise TypeError(f"`tokens_to_remove` must be an int, got {type(tokens_to_remove).__name__}")
         if tokens_to_remove > 0:
-            raise ValueError(
-                f"`crop` takes a negative number of tokens to remove, got {tokens_to_remove}; "
-                f"use `crop({tokens_to_remove - self.get_seq_length()})` to keep the first {tokens_to_remove} tokens"
-            )
-        remaining = min(-tokens_to_remove, self.get_seq_length())
+            remaining = self._positive_crop(tokens_to_remove)
+        else:
+            remaining = min(-tokens_to_remove, self.get_seq_length())
         for buffer in (self.window, self.store, self.sinks):
             drop = min(remaining, buffer.length)
             buffer.drop_back(drop)
             remaining -= drop
         self._pending = None
+
+    def _positive_crop(self, tokens_to_keep: int) -> int:
+        """Tokens that ``crop(tokens_to_keep)`` removes under the installed transformers' ``DynamicLayer.crop``
+        contract, found by running it on a layer of meta tensors (shapes only, no data); ValueError where that
+        contract refuses positive values."""
+        length = self.get_seq_length()
+        probe = DynamicLayer()
+        probe.keys = probe.values = torch.empty((1, 1, length, 1), device="meta")
+        probe.is_initialized = True
+        try:
+            probe.crop(tokens_to_keep)
+        except ValueError:
+            raise ValueError(
+                f"`crop` takes a negative number of tokens to remove, got {tokens_to_keep}; "
+                f"use `crop({tokens_to_keep - length})` to keep the first {tokens_to_keep} tokens"
+            ) from None
+        return length - probe.keys.shape[-2]
 
     def _check_batch_index(self, name: str, index: torch.Tensor) -> None:
         if not isinstance(index, torch.Tensor) or index.dim() != 1:
