@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import inspect
 import statistics
 import time
 import traceback
@@ -61,9 +60,9 @@ def build_model():
 
 
 def _cache_kwargs(model, cache) -> dict:
-    # transformers >= 5.2x calls it `cache` (and warns on the old name); 5.17 knows only `past_key_values`.
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
+    from flashquant_hf.cache import cache_kwargs
+
+    return {**cache_kwargs(model, cache), "use_cache": True}
 
 
 def kv_bytes_bf16(tokens: int, batch: int = BATCH) -> int:

@@ -12,16 +12,18 @@ __all__ = [
     "TurboQuantConfig",
     "TurboQuantLayer",
     "TurboQuantizer",
+    "install",
     "lloyd_max_codebook",
     "random_rotation",
+    "uninstall",
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"TurboQuantCache": "cache", "TurboQuantLayer": "cache"}
+# Names whose modules import transformers (~2 s): only users of the cache pay for it.
+_LAZY = {"TurboQuantCache": "cache", "TurboQuantLayer": "layer", "install": "registration", "uninstall": "registration"}
 
 
 def __getattr__(name: str):
-    # The cache classes import transformers (~2 s); only users of the cache pay for it.
     if name in _LAZY:
         import importlib
 

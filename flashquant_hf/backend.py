@@ -1,4 +1,11 @@
-"""The one backend switch: CUDA kernels or the PyTorch reference, decided here and nowhere else."""
+"""The backend decision, CUDA kernels or the PyTorch reference, for a device and a requested setting.
+
+A :class:`~flashquant_hf.layer.TurboQuantLayer` decides once, when it is initialised from its config and the device
+of its first K/V (:func:`resolve_backend` with ``config.backend``, which the config read from ``FLASHQUANT_BACKEND``
+when it was built). :mod:`flashquant_hf.ops` calls made without such a decision use :func:`default_backend`,
+the environment variable read once per process. Which kernel serves which specialisation is asked by
+:mod:`flashquant_hf.ops`; that module and this one are the only ones that know two implementations exist.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +20,17 @@ ENV_VAR = "FLASHQUANT_BACKEND"
 
 
 def requested_backend() -> str:
-    """The backend asked for through ``FLASHQUANT_BACKEND`` (default ``auto``)."""
+    """The backend asked for through ``FLASHQUANT_BACKEND`` now (default ``auto``)."""
     value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"`{ENV_VAR}` must be one of {BACKENDS}, got {value!r}")
     return value
+
+
+@functools.cache
+def default_backend() -> str:
+    """The backend of op calls made without a decided one: ``FLASHQUANT_BACKEND`` as read the first time."""
+    return requested_backend()
 
 
 @functools.cache
@@ -35,8 +48,9 @@ def cupy_available() -> bool:
 def resolve_backend(*tensors: torch.Tensor, requested: str | None = None) -> str:
     """Return ``"cuda"`` or ``"torch"`` for an op on ``tensors``.
 
-    ``auto`` takes the kernels when every tensor lives on a CUDA device and CuPy imports; ``cuda`` insists
-    and raises a clear error otherwise; ``torch`` always takes the reference.
+    ``requested`` (default: ``FLASHQUANT_BACKEND`` now): ``auto`` takes the kernels when every tensor lives on a
+    CUDA device and CuPy imports; ``cuda`` insists and raises a clear error otherwise; ``torch`` always takes the
+    reference.
     """
     choice = requested or requested_backend()
     if choice not in BACKENDS:

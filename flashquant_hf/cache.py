@@ -1,615 +1,28 @@
 """TurboQuantCache: a transformers ``Cache`` whose full-attention layers keep K/V TurboQuant-compressed.
 
-Token layout of one :class:`TurboQuantLayer` (positions grow to the right)::
-
-    [ sinks (exact, first S tokens) | compressed (TQ, N_c tokens) | window (exact, newest <= R tokens) ]
-
-New tokens fill the sinks first, then enter the window; tokens that age out of the window are compressed
-*before* the attention of the step that pushed them out (decode-faithful). The compressed part is the contiguous
-layout of docs/ARCHITECTURE.md: ``k_packed [B, H_kv, N_cap, nbytes] uint8``, ``k_norms [B, H_kv, N_cap] fp32``
-(same for V), growing geometrically. The attention over it lives in :mod:`flashquant_hf.hf_attention`.
+The cache only builds and types its layers: :class:`~flashquant_hf.layer.TurboQuantLayer` for full attention,
+transformers' own exact layers for sliding-window / chunked attention. Constructing one installs the attention
+routing of :mod:`flashquant_hf.registration` (idempotent; :func:`flashquant_hf.uninstall` undoes it).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-import math
-import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from . import ops
-from .backend import resolve_backend
-from .codec import head_codec, split_problem
 from .config import TurboQuantConfig
-from .quantizer import FLOAT_DTYPES, TurboQuantizer
+from .layer import TurboQuantLayer
+from .registration import install
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
 logger = logging.getLogger(__name__)
 
-STORE_GROWTH = 1.25  # compressed store regrowth: amortised O(1) copies per token, <= 25% slack
-STORE_HEADROOM = 1 / 64  # first allocation: a 32K prefill leaves room for 510 decode steps (+1.6% bytes)
-STORE_ROUND = 16  # tokens (keeps every row of the packed layout 16-byte aligned)
-WINDOW_SLACK = 64  # extra window capacity: the live range is moved to the front once every 64 tokens
-WINDOW_EAGER = 1024  # windows up to this capacity are allocated at full size at once
-TAG = "_flashquant"  # attribute set on the K/V tensors that update() returns
-# Per-sequence statistics of a layer, taken on its first prefill: [B, H, D] each, or None when not used.
-SEQUENCE_STATS = ("key_mean", "value_mean", "key_order", "value_order")
-
-
-# --------------------------------------------------------------------------------------------- storage
-class TokenBuffer:
-    """Tensors ``[B, H, capacity, ...]`` sharing the token axis (dim 2); live tokens are ``[start, start + length)``.
-
-    Appends write in place; the capacity grows geometrically (``growth``, rounded up to ``round_to`` tokens,
-    never above ``max_capacity`` unless more is needed; the first allocation adds ``headroom`` x the tokens it
-    needs); dropping tokens from the front only moves ``start``, and the live range is moved back to the front
-    when the end is reached (amortised O(1) per token).
-    """
-
-    def __init__(
-        self,
-        growth: float,
-        round_to: int,
-        max_capacity: int | None = None,
-        min_capacity: int = 0,
-        headroom: float = 0.0,
-    ):
-        self.growth = growth
-        self.round_to = round_to
-        self.max_capacity = max_capacity
-        self.min_capacity = min_capacity
-        self.headroom = headroom
-        self.tensors: tuple[torch.Tensor, ...] = ()
-        self.start = 0
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        """Tokens the tensors can hold."""
-        return self.tensors[0].shape[2] if self.tensors else 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated (capacity, not only the live tokens)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-    def views(self) -> tuple[torch.Tensor, ...]:
-        """The live tokens of every tensor (views, shape ``[B, H, length, ...]``)."""
-        return tuple(t[:, :, self.start : self.start + self.length] for t in self.tensors)
-
-    def _new_capacity(self, need: int) -> int:
-        if self.capacity:
-            grown = max(need, math.ceil(self.capacity * self.growth))
-        else:
-            grown = max(need + int(need * self.headroom), self.min_capacity)
-        grown = -(-grown // self.round_to) * self.round_to
-        if self.max_capacity is not None:
-            grown = min(grown, self.max_capacity)
-        return max(grown, need)
-
-    def _make_writable(self) -> None:
-        # Tensors made under torch.inference_mode() cannot be written in place outside it (a cache prefilled in
-        # inference mode, then decoded under no_grad): copy them once into ordinary tensors.
-        if self.tensors and self.tensors[0].is_inference() and not torch.is_inference_mode_enabled():
-            self.tensors = tuple(t.clone() for t in self.tensors)
-
-    def reserve(self, count: int, like: tuple[torch.Tensor, ...]) -> None:
-        """Make room for ``count`` more tokens at the end (``like``: one example tensor per buffer)."""
-        self._make_writable()
-        need = self.length + count
-        if self.tensors and self.start + need <= self.capacity:
-            return
-        if self.tensors and need <= self.capacity:
-            for t in self.tensors:
-                live = t[:, :, self.start : self.start + self.length]
-                # Overlapping source and destination would make copy_ undefined.
-                t[:, :, : self.length].copy_(live.clone() if self.start < self.length else live)
-            self.start = 0
-            return
-        capacity = self._new_capacity(need)
-        fresh = tuple(
-            torch.empty((*x.shape[:2], capacity, *x.shape[3:]), dtype=x.dtype, device=x.device) for x in like
-        )
-        for new, old in zip(fresh, self.views()):
-            new[:, :, : self.length].copy_(old)
-        self.tensors, self.start = fresh, 0
-
-    def append(self, *parts: torch.Tensor) -> None:
-        """Write ``parts`` (one ``[B, H, n, ...]`` tensor per buffer) after the live tokens."""
-        count = parts[0].shape[2]
-        if count == 0:
-            return
-        self.reserve(count, parts)
-        end = self.start + self.length
-        for t, part in zip(self.tensors, parts):
-            t[:, :, end : end + count].copy_(part)
-        self.length += count
-
-    def drop_front(self, count: int) -> None:
-        """Forget the ``count`` oldest live tokens."""
-        self.start += count
-        self.length -= count
-
-    def drop_back(self, count: int) -> None:
-        """Forget the ``count`` newest live tokens."""
-        self.length -= count
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Permute the batch of the live tokens in place (``index`` has one entry per batch row)."""
-        self._make_writable()
-        for t in self.tensors:
-            live = t[:, :, self.start : self.start + self.length]
-            live.copy_(live.index_select(0, index.to(t.device)))
-
-    def rebatch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace every tensor by ``fn(live tokens)`` (a new batch size), keeping the capacity."""
-        if not self.tensors:
-            return
-        capacity = self.capacity
-        fresh = []
-        for live in self.views():
-            new_live = fn(live)
-            t = torch.empty((*new_live.shape[:2], capacity, *new_live.shape[3:]), dtype=live.dtype, device=live.device)
-            t[:, :, : self.length].copy_(new_live)
-            fresh.append(t)
-        self.tensors, self.start = tuple(fresh), 0
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> None:
-        """Move every tensor to ``device``."""
-        self.tensors = tuple(t.to(device, non_blocking=non_blocking) for t in self.tensors)
-
-
-# --------------------------------------------------------------------------------------------- the layer
-@dataclass(frozen=True)
-class CompressedPlan:
-    """What the attention of one step must do: read ``layer`` (whose state had these counts at update time)."""
-
-    layer: "TurboQuantLayer"
-    num_sink: int
-    num_compressed: int
-    num_window: int
-
-    def check_current(self) -> None:
-        """Raise unless the layer still holds exactly what update() returned."""
-        layer = self.layer
-        now = (layer.num_sink, layer.num_compressed, layer.num_window)
-        if now != (self.num_sink, self.num_compressed, self.num_window):
-            raise RuntimeError(
-                f"TurboQuantLayer {layer.layer_idx} changed between update() and the attention "
-                f"(sinks/compressed/window {self.num_sink}/{self.num_compressed}/{self.num_window} -> "
-                f"{now[0]}/{now[1]}/{now[2]}); the K/V returned by update() are valid for one attention call only"
-            )
-
-
-@dataclass(frozen=True)
-class FirstPrefillTag:
-    """Marks the exact K/V returned by a layer's first update, so the attention can learn the model's layer types."""
-
-    layer: "TurboQuantLayer"
-
-
-def _shape(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
-
-
-class TurboQuantLayer(CacheLayerMixin):
-    """One full-attention layer: exact sinks, a TurboQuant-compressed middle and an exact residual window."""
-
-    is_compileable = False
-    is_croppable = True
-    is_sliding = False
-
-    def __init__(
-        self,
-        config: TurboQuantConfig | None = None,
-        layer_idx: int | None = None,
-        cache: Cache | None = None,
-        **kwargs: Any,
-    ):
-        # CacheLayerMixin.__init__ would assign `keys`/`values`, which this layer does not have.
-        self.config = config if config is not None else TurboQuantConfig()
-        self.layer_idx = layer_idx
-        self._cache_ref = weakref.ref(cache) if cache is not None else None
-        self.is_initialized = False
-        self._reset_state()
-
-    def __repr__(self) -> str:
-        return (
-            f"TurboQuantLayer(layer_idx={self.layer_idx}, tokens={self.get_seq_length()}, sinks={self.num_sink}, "
-            f"compressed={self.num_compressed}, window={self.num_window})"
-        )
-
-    # ---- no full-precision tensors
-    @property
-    def keys(self):
-        """Not available: keys are stored compressed (use :meth:`dequantize` to rebuild them, for tests)."""
-        raise AttributeError(
-            "TurboQuantLayer stores its keys compressed and has no full-precision `keys` tensor; "
-            "use `dequantize()` to rebuild an approximation"
-        )
-
-    @property
-    def values(self):
-        """Not available: values are stored compressed (use :meth:`dequantize` to rebuild them, for tests)."""
-        raise AttributeError(
-            "TurboQuantLayer stores its values compressed and has no full-precision `values` tensor; "
-            "use `dequantize()` to rebuild an approximation"
-        )
-
-    # ---- state
-    def _reset_state(self) -> None:
-        cfg = self.config
-        self.sinks = TokenBuffer(growth=1.0, round_to=1, max_capacity=cfg.sink_tokens)
-        self.store = TokenBuffer(growth=STORE_GROWTH, round_to=STORE_ROUND, headroom=STORE_HEADROOM)
-        # A full window holds up to R + window_block - 1 tokens. The slack lets the oldest ones be dropped 64 times
-        # between two moves of the live range; a block of up to 65 fits in the same slack (one move per block), so
-        # the default block costs no memory.
-        window_capacity = cfg.residual_length + max(cfg.window_block - 1, WINDOW_SLACK)
-        self.window = TokenBuffer(
-            growth=2.0, round_to=16, max_capacity=window_capacity, min_capacity=min(window_capacity, WINDOW_EAGER)
-        )
-        self.key_mean: torch.Tensor | None = None  # centring means, fp32
-        self.value_mean: torch.Tensor | None = None
-        self.key_order: torch.Tensor | None = None  # channel orders of split codes (outlier channels first)
-        self.value_order: torch.Tensor | None = None
-        self._pending: CompressedPlan | None = None
-
-    @property
-    def num_sink(self) -> int:
-        """Exact sink tokens held."""
-        return self.sinks.length
-
-    @property
-    def num_compressed(self) -> int:
-        """Compressed tokens held."""
-        return self.store.length
-
-    @property
-    def num_window(self) -> int:
-        """Exact window tokens held."""
-        return self.window.length
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every tensor this layer holds (compressed store, sinks, window, per-sequence statistics)."""
-        stats = sum(t.numel() * t.element_size() for t in self._stats().values() if t is not None)
-        return self.store.nbytes + self.sinks.nbytes + self.window.nbytes + stats
-
-    def _stats(self) -> dict[str, torch.Tensor | None]:
-        return {name: getattr(self, name) for name in SEQUENCE_STATS}
-
-    def _map_stats(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for name, t in self._stats().items():
-            if t is not None:
-                setattr(self, name, fn(t))
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Record batch, heads, head_dim, dtype and device from the first K/V; build the codecs."""
-        cfg = self.config
-        self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.key_codec = head_codec(
-            self.head_dim, cfg.key_bits, cfg.key_seed, cfg.rotation, cfg.norm_correction, cfg.outlier_channels,
-            cfg.key_qjl,
-        )
-        self.value_codec = head_codec(
-            self.head_dim, cfg.value_bits, cfg.value_seed, cfg.rotation, cfg.norm_correction, cfg.outlier_channels,
-            False,
-        )
-        self.is_initialized = True
-
-    @property
-    def is_plain(self) -> bool:
-        """Whether keys and values use the plain code the CUDA kernels read (no outlier channels, no QJL)."""
-        return self.key_codec.is_plain and self.value_codec.is_plain
-
-    def _check_states(self, key_states: Any, value_states: Any) -> None:
-        """Raise a ValueError/TypeError naming the problem; nothing is modified."""
-        for name, t in (("key_states", key_states), ("value_states", value_states)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 4:
-                raise ValueError(f"`{name}` must have shape [batch, kv_heads, tokens, head_dim], got {_shape(t)}")
-            if t.dtype not in FLOAT_DTYPES:
-                raise ValueError(f"`{name}` must be float16, bfloat16 or float32, got {_shape(t)}")
-        if key_states.shape[-1] != value_states.shape[-1]:
-            raise ValueError(
-                f"TurboQuantCache needs keys and values of the same head_dim, got key_states {_shape(key_states)} "
-                f"and value_states {_shape(value_states)} (multi-head latent attention such as DeepSeek-V3 "
-                "is not supported)"
-            )
-        if key_states.shape[:3] != value_states.shape[:3] or key_states.dtype != value_states.dtype:
-            raise ValueError(
-                f"`key_states` and `value_states` must match in batch, heads, tokens and dtype, got "
-                f"{_shape(key_states)} and {_shape(value_states)}"
-            )
-        if key_states.device != value_states.device:
-            raise ValueError(
-                f"`key_states` and `value_states` must be on one device, got {key_states.device} and "
-                f"{value_states.device}"
-            )
-        head_dim = key_states.shape[-1]
-        if head_dim < 4 or head_dim % 2:
-            raise ValueError(f"TurboQuantCache needs an even head_dim >= 4, got `key_states` {_shape(key_states)}")
-        if self.config.rotation == "hadamard" and head_dim & (head_dim - 1):
-            raise ValueError(
-                f"`rotation='hadamard'` needs a power-of-two head_dim, got `key_states` {_shape(key_states)}; "
-                "use rotation='haar'"
-            )
-        cfg = self.config
-        problem = split_problem(head_dim, cfg.outlier_channels, cfg.key_qjl, cfg.rotation)
-        if problem is not None:
-            raise ValueError(f"{problem} (`key_states` {_shape(key_states)})")
-        if cfg.backend == "cuda":  # checked here, before anything is stored (compress would raise only after)
-            try:
-                resolve_backend(key_states, value_states, requested="cuda")
-            except RuntimeError as error:
-                raise RuntimeError(f"TurboQuantCache(backend='cuda'): {error}") from None
-        if self.is_initialized:
-            expected = [self.batch_size, self.num_heads, head_dim]
-            got = [key_states.shape[0], key_states.shape[1], self.head_dim]
-            if got != expected or key_states.dtype != self.dtype or key_states.device != self.device:
-                raise ValueError(
-                    f"layer {self.layer_idx} holds batch={self.batch_size}, kv_heads={self.num_heads}, "
-                    f"head_dim={self.head_dim}, {self.dtype} on {self.device}; got `key_states` "
-                    f"{_shape(key_states)} on {key_states.device} (call `reset()` to start a new sequence)"
-                )
-        if self._pending is not None:
-            raise RuntimeError(
-                f"the previous compressed K/V of TurboQuantLayer {self.layer_idx} never reached the flashquant "
-                "attention: the model's attention implementation must be 'sdpa', 'eager' or 'turboquant' (another "
-                "one would have attended to the exact window only). If the previous forward raised an error, "
-                "call `cache.reset()` before reusing the cache."
-            )
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new K/V (shape ``[B, H_kv, L, D]``) and return what the attention of this step needs.
-
-        Returns the exact K/V of the whole sequence while nothing is compressed (the attention is then the
-        model's own); otherwise the exact window, tagged with a :class:`CompressedPlan` for the flashquant
-        attention. Tokens pushed out of the window are compressed before this returns.
-        """
-        self._check_states(key_states, value_states)
-        with torch.no_grad():  # the cache is inference-only: stored tensors must not keep autograd history
-            return self._store(key_states, value_states)
-
-    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        cfg = self.config
-        was_empty = self.get_seq_length() == 0
-        count = key_states.shape[2]
-        if count and cfg.key_centering and self.key_mean is None:
-            self.key_mean = key_states.float().mean(dim=2)
-        if count and cfg.value_centering and self.value_mean is None:
-            self.value_mean = value_states.float().mean(dim=2)
-        if count and cfg.outlier_channels and self.key_order is None:
-            self.key_order = self.key_codec.channel_order(self._centred(key_states, self.key_mean))
-            self.value_order = self.value_codec.channel_order(self._centred(value_states, self.value_mean))
-
-        to_sinks = min(cfg.sink_tokens - self.num_sink, count) if self.num_compressed + self.num_window == 0 else 0
-        self.sinks.append(key_states[:, :, :to_sinks], value_states[:, :, :to_sinks])
-        rest_k, rest_v = key_states[:, :, to_sinks:], value_states[:, :, to_sinks:]
-        overflow = max(0, self.num_window + rest_k.shape[2] - cfg.residual_length)
-        overflow -= overflow % cfg.window_block  # whole blocks only: the window keeps R to R + block - 1 tokens
-        from_window = min(self.num_window, overflow)
-        from_new = overflow - from_window
-        if from_window:
-            old_k, old_v = self.window.views()
-            self._compress(old_k[:, :, :from_window], old_v[:, :, :from_window])
-            self.window.drop_front(from_window)
-        if from_new:
-            self._compress(rest_k[:, :, :from_new], rest_v[:, :, :from_new])
-        self.window.append(rest_k[:, :, from_new:], rest_v[:, :, from_new:])
-
-        if was_empty:
-            setattr(key_states, TAG, FirstPrefillTag(self))
-            return key_states, value_states
-        if self.num_compressed == 0:
-            return self.exact_states()
-        plan = CompressedPlan(self, self.num_sink, self.num_compressed, self.num_window)
-        self._pending = plan
-        window_k, window_v = self.window.views() if self.window.tensors else self._empty_window(key_states)
-        setattr(window_k, TAG, plan)
-        setattr(window_v, TAG, plan)
-        return window_k, window_v
-
-    def _empty_window(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        empty = like.new_empty((self.batch_size, self.num_heads, 0, self.head_dim))
-        return empty, empty.clone()
-
-    @staticmethod
-    def _centred(x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
-        return x if mean is None else x.float() - mean[:, :, None, :]
-
-    def _compress(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Compress ``[B, H, n, D]`` K/V (after centring) and append them to the store."""
-        key_code = self.key_codec.encode(self._centred(keys, self.key_mean), self.key_order, self._run_compress)
-        value_code = self.value_codec.encode(
-            self._centred(values, self.value_mean), self.value_order, self._run_compress
-        )
-        self.store.append(*key_code, *value_code)
-
-    def _run_compress(self, tq: TurboQuantizer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = x.device
-        # Split codes have parts of head dims no kernel is built for: they take the reference (HeadCodec warns).
-        backend = self.config.backend if self.is_plain else "torch"
-        return ops.implementation("compress", x, backend=backend).compress(
-            x, tq.rotation(dev), tq.boundaries(dev), tq.bits, tq.centroids(dev), tq.norm_correction,
-            tq.hadamard_signs(dev),
-        )
-
-    def consume_plan(self, plan: CompressedPlan) -> None:
-        """Called by the attention: the plan returned by the last update() is being served."""
-        plan.check_current()
-        if self._pending is plan:
-            self._pending = None
-
-    # ---- views for the attention
-    def exact_states(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sinks followed by the window, concatenated (contiguous ``[B, H_kv, S + W, D]`` each)."""
-        parts = [views for views in (self.sinks.views(), self.window.views()) if views and views[0].shape[2]]
-        if not parts:
-            shape = (self.batch_size, self.num_heads, 0, self.head_dim)
-            empty = torch.empty(shape, dtype=self.dtype, device=self.device)
-            return empty, empty.clone()
-        return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
-
-    def sink_states(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The exact sink K/V (views), or None when there are none."""
-        return self.sinks.views() if self.num_sink else None
-
-    def compressed_views(self) -> tuple[torch.Tensor, ...]:
-        """Views of the compressed tokens (``[B, H_kv, N_c, ...]``): the key code's tensors, then the value code's;
-        ``(k_packed, k_norms, v_packed, v_norms)`` for plain codes."""
-        return self.store.views()
-
-    def key_views(self) -> tuple[torch.Tensor, ...]:
-        """The key code's tensors of the compressed tokens (see :class:`~flashquant_hf.codec.HeadCodec`)."""
-        return self.store.views()[: self.key_codec.tensor_count]
-
-    def value_views(self) -> tuple[torch.Tensor, ...]:
-        """The value code's tensors of the compressed tokens."""
-        return self.store.views()[self.key_codec.tensor_count :]
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K/V the cache stands for, ``[B, H_kv, N, D]``, compressed tokens rebuilt (tests and debugging only).
-
-        This rebuilds the whole context in full precision; the attention never does.
-        """
-        parts_k, parts_v = [], []
-        if self.num_sink:
-            sk, sv = self.sinks.views()
-            parts_k.append(sk.to(dtype))
-            parts_v.append(sv.to(dtype))
-        if self.num_compressed:
-            k = self.key_codec.decode(self.key_views(), self.key_order)
-            v = self.value_codec.decode(self.value_views(), self.value_order)
-            if self.key_mean is not None:
-                k = k + self.key_mean[:, :, None, :]
-            if self.value_mean is not None:
-                v = v + self.value_mean[:, :, None, :]
-            parts_k.append(k.to(dtype))
-            parts_v.append(v.to(dtype))
-        if self.num_window:
-            wk, wv = self.window.views()
-            parts_k.append(wk.to(dtype))
-            parts_v.append(wv.to(dtype))
-        if not parts_k:
-            if not self.is_initialized:
-                raise ValueError(f"TurboQuantLayer {self.layer_idx} holds no tokens yet")
-            empty = torch.empty((self.batch_size, self.num_heads, 0, self.head_dim), dtype=dtype, device=self.device)
-            return empty, empty.clone()
-        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
-
-    # ---- CacheLayerMixin API
-    def get_seq_length(self) -> int:
-        """Tokens held (sinks + compressed + window)."""
-        return self.num_sink + self.num_compressed + self.num_window
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset) of the mask: every past token plus the new ones, from position 0."""
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        """-1: the layer grows without bound."""
-        return -1
-
-    def get_max_cache_shape(self) -> int:
-        """-1 (transformers < 5.16 name of :meth:`get_max_length`)."""
-        return self.get_max_length()
-
-    def _buffers(self) -> tuple[TokenBuffer, ...]:
-        return (self.sinks, self.store, self.window)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the ``-tokens_to_remove`` newest tokens (a negative count, as in transformers 5.x).
-
-        Tokens that had already aged into the compressed part stay compressed after a crop.
-        """
-        if isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.numel() == 1:
-            tokens_to_remove = int(tokens_to_remove)  # transformers 5.17's assisted decoding passes a tensor
-        if not isinstance(tokens_to_remove, int) or isinstance(tokens_to_remove, bool):
-            raise TypeError(f"`tokens_to_remove` must be an int, got {type(tokens_to_remove).__name__}")
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"`crop` takes a negative number of tokens to remove, got {tokens_to_remove}; "
-                f"use `crop({tokens_to_remove - self.get_seq_length()})` to keep the first {tokens_to_remove} tokens"
-            )
-        remaining = min(-tokens_to_remove, self.get_seq_length())
-        for buffer in (self.window, self.store, self.sinks):
-            drop = min(remaining, buffer.length)
-            buffer.drop_back(drop)
-            remaining -= drop
-        self._pending = None
-
-    def _check_batch_index(self, name: str, index: torch.Tensor) -> None:
-        if not isinstance(index, torch.Tensor) or index.dim() != 1:
-            raise ValueError(f"`{name}` must be a 1-D tensor, got {index!r}")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder the batch for beam search (``beam_idx`` holds one source row per row)."""
-        if not self.is_initialized:
-            return
-        self._check_batch_index("beam_idx", beam_idx)
-        if beam_idx.shape[0] != self.batch_size:
-            raise ValueError(f"`beam_idx` must have {self.batch_size} entries, got {beam_idx.shape[0]}")
-        for buffer in self._buffers():
-            buffer.reorder(beam_idx)
-        self._map_stats(lambda t: t.index_select(0, beam_idx.to(t.device)))
-        self._pending = None
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every batch row ``repeats`` times (contrastive search, assisted decoding)."""
-        if not self.is_initialized:
-            return
-        if not isinstance(repeats, int) or repeats < 1:
-            raise ValueError(f"`repeats` must be an integer >= 1, got {repeats!r}")
-        self._rebatch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the batch rows ``indices``."""
-        if not self.is_initialized:
-            return
-        self._check_batch_index("indices", indices)
-        self._rebatch(lambda t: t[indices.to(t.device)])
-
-    def _rebatch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for buffer in self._buffers():
-            buffer.rebatch(fn)
-        self._map_stats(fn)
-        self.batch_size = fn(torch.zeros((self.batch_size, 1), device=self.device)).shape[0]
-        self._pending = None
-
-    def reset(self) -> None:
-        """Forget every token (the next update starts a new sequence, possibly of another shape)."""
-        self._reset_state()
-        self.is_initialized = False
-
-    def offload(self) -> None:
-        """Move this layer's tensors to the CPU."""
-        self._move("cpu")
-
-    def prefetch(self) -> None:
-        """Move this layer's tensors back to its device."""
-        if self.is_initialized:
-            self._move(self.device)
-
-    def _move(self, device) -> None:
-        for buffer in self._buffers():
-            buffer.to(device, non_blocking=True)
-        self._map_stats(lambda t: t.to(device, non_blocking=True))
-
-
-# --------------------------------------------------------------------------------------------- the cache
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # Layers without attention: transformers gives them a placeholder layer (5.24: "dummy"; 5.17: "moe"/"mlp").
 NO_ATTENTION_LAYER_TYPES = ("dummy", "moe", "mlp")
@@ -644,6 +57,16 @@ def layer_types_of(model_config: "PreTrainedConfig") -> list[tuple[str, dict]]:
     return list(zip(layer_types, layer_kwargs))
 
 
+def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
+    """``{"cache": cache}`` for a model whose ``forward`` takes ``cache`` (transformers >= 5.2x, where
+    ``past_key_values`` is deprecated), else ``{"past_key_values": cache}`` (5.17); for ``forward`` and ``generate``.
+
+    >>> # model.generate(input_ids, **cache_kwargs(model, TurboQuantCache()))
+    """
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+
+
 class TurboQuantCache(Cache):
     """A transformers Cache whose full-attention layers are :class:`TurboQuantLayer`.
 
@@ -658,7 +81,7 @@ class TurboQuantCache(Cache):
     **overrides : TurboQuantConfig fields, e.g. ``bits=3, residual_length=0``
 
     >>> cache = TurboQuantCache(bits=4, residual_length=128)
-    >>> # model.generate(input_ids, past_key_values=cache)
+    >>> # model.generate(input_ids, cache=cache)  # transformers 5.17: past_key_values=cache
     """
 
     def __init__(
@@ -683,8 +106,7 @@ class TurboQuantCache(Cache):
         self.config = config
         self._layer_types = layer_types_of(model_config) if model_config is not None else None
         self._announced = False
-        from .hf_attention import install
-
+        self._past_recording: dict[str, Any] | None = None  # activate_past_recording's arguments, for later layers
         install()
         if self._layer_types is None:
             super().__init__(layer_class_to_replicate=TurboQuantLayer)
@@ -703,8 +125,20 @@ class TurboQuantCache(Cache):
         if layer_type == "full_attention":
             return TurboQuantLayer(self.config, layer_idx=idx, cache=self)
         if layer_type in ("sliding_attention", "chunked_attention"):
-            return DynamicSlidingWindowLayer(sliding_window=kwargs["sliding_window"])
-        return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
+            layer = DynamicSlidingWindowLayer(sliding_window=kwargs["sliding_window"])
+        else:
+            layer = DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
+        if self._past_recording is not None and hasattr(layer, "activate_past_recording"):
+            layer.activate_past_recording(**self._past_recording)
+        return layer
+
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Make every layer that drops past states (sliding windows) keep them until the next ``crop``, as
+        transformers' ``Cache`` does, including the layers this cache builds later (lazily, or when it learns the
+        model's layer types during the first forward). ``kwargs`` are passed on as given (transformers >= 5.2x
+        passes ``recurrent_states_to_keep``; 5.17 passes nothing)."""
+        self._past_recording = kwargs
+        super().activate_past_recording(**kwargs)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs

@@ -12,23 +12,21 @@ Two levers of the paper split the code (both off by default; docs/quality.md has
 
 A plain code's tensors are ``(packed, norms)``, the layout the CUDA kernels read. A split code's tensors are
 ``(packed, norms)`` per part, then ``(signs, residual norms)`` with QJL; no kernel reads them, so split codes run
-on the PyTorch reference (a warning says so once when the tensors are on a GPU).
+on the PyTorch reference (:mod:`flashquant_hf.ops` decides, and says so once on a GPU). The products here
+(:meth:`HeadCodec.dot`, :meth:`HeadCodec.weighted_sum`, :meth:`HeadCodec.decode`) are the attention's exact
+torch path: they rebuild the codes with the reference's dequantization.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
+from . import ops
 from .packing import unpack_indices
 from .qjl import QJLSketch
 from .quantizer import TurboQuantizer
-from .reference.decompress import dequantize_rotated
-
-logger = logging.getLogger(__name__)
-_warned = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,8 +139,6 @@ class HeadCodec:
     # ---- coding
     def encode(self, x: torch.Tensor, order: torch.Tensor | None, compress) -> tuple[torch.Tensor, ...]:
         """Code ``x [B, H, n, head_dim]``; ``compress(tq, x_part) -> (packed, norms)`` runs one quantizer."""
-        if not self.is_plain:
-            _warn_reference(x)
         tensors: list[torch.Tensor] = []
         for tq, part in zip(self.parts, self._parts_of(x, order)):
             tensors.extend(compress(tq, part))
@@ -154,7 +150,9 @@ class HeadCodec:
         """Each part rebuilt in its rotated space, fp32 ``[B, H, N, part dims]``."""
         dev = tensors[0].device
         return [
-            dequantize_rotated(tensors[2 * i], tensors[2 * i + 1], tq.centroids(dev), tq.bits, tq.head_dim)
+            ops.dequantize_rotated(
+                tensors[2 * i], tensors[2 * i + 1], tq.centroids(dev), tq.bits, tq.head_dim, backend="torch"
+            )
             for i, tq in enumerate(self.parts)
         ]
 
@@ -216,12 +214,3 @@ def head_codec(
     """One shared HeadCodec per setting (its quantizers cache their rotation and codebook tensors per device)."""
     return HeadCodec(head_dim, bits, seed, rotation, norm_correction, outlier_channels, qjl)
 
-
-def _warn_reference(x: torch.Tensor) -> None:
-    global _warned
-    if x.is_cuda and not _warned:
-        _warned = True
-        logger.warning(
-            "flashquant: `outlier_channels` / `key_qjl` run on the PyTorch reference path (no fused CUDA kernel "
-            "reads split codes); decoding is much slower than with the default code"
-        )

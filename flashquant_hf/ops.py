@@ -1,6 +1,10 @@
-"""Public ops: each call is routed to the CUDA kernel or the PyTorch reference of the same name.
+"""Public ops: each call runs the CUDA kernel or the PyTorch reference of the same name, chosen here.
 
-This module and :mod:`flashquant_hf.backend` are the only places that know two implementations exist.
+This module and :mod:`flashquant_hf.backend` are the only ones that choose between the two. Every op takes
+``backend``: ``"cuda"`` or ``"torch"`` as its caller decided once (a TurboQuantLayer, when it is initialised), or
+None for a direct call, which :func:`~flashquant_hf.backend.default_backend` (``FLASHQUANT_BACKEND`` read once
+per process) and the tensors' device decide. On ``"cuda"`` an op first asks its kernel module whether a kernel
+serves the call (``unsupported(...)``: a reason, or None) and otherwise runs the reference, saying so once.
 """
 
 from __future__ import annotations
@@ -11,60 +15,81 @@ from types import ModuleType
 
 import torch
 
-from .backend import requested_backend, resolve_backend
+from .backend import BACKENDS, default_backend, resolve_backend
+from .log import warn_once
 
 logger = logging.getLogger(__name__)
-_warned: set[str] = set()
+
+DECIDED = ("cuda", "torch")
 
 
-def implementation(op: str, *tensors: torch.Tensor, backend: str = "auto") -> ModuleType:
-    """The module (``kernels.<op>`` or ``reference.<op>``) that runs ``op`` on ``tensors``.
+def implementation(module: str, *tensors: torch.Tensor, backend: str | None = None) -> ModuleType:
+    """``flashquant_hf.kernels.<module>`` or ``flashquant_hf.reference.<module>``, for an op on ``tensors``.
 
-    ``backend`` is a cache's setting: ``auto`` follows ``FLASHQUANT_BACKEND`` and the tensors' device, ``torch``
-    pins the reference, ``cuda`` first checks that the kernels can run on ``tensors``.
+    ``backend``: ``"cuda"`` / ``"torch"`` as decided by the caller; ``"auto"`` decides from ``tensors``; None
+    also decides from ``tensors``, with the process default (:func:`~flashquant_hf.backend.default_backend`).
     """
-    if backend == "torch":
-        return importlib.import_module(f"flashquant_hf.reference.{op}")
-    if backend == "cuda":
-        resolve_backend(*tensors, requested="cuda")
-    if resolve_backend(*tensors) == "torch":
-        return importlib.import_module(f"flashquant_hf.reference.{op}")
-    try:
-        return importlib.import_module(f"flashquant_hf.kernels.{op}")
-    except ModuleNotFoundError as error:
-        if error.name != f"flashquant_hf.kernels.{op}" or requested_backend() == "cuda":
-            raise
-        if op not in _warned:
-            _warned.add(op)
-            logger.warning("flashquant-hf has no CUDA kernel for `%s` yet; using the PyTorch reference", op)
-        return importlib.import_module(f"flashquant_hf.reference.{op}")
+    return importlib.import_module(f"flashquant_hf.{_package(backend, tensors)}.{module}")
 
 
-def compress(x, rotation, boundaries, bits, centroids=None, norm_correction=False, hadamard_signs=None):
-    """See :func:`flashquant_hf.reference.compress.compress`."""
-    return implementation("compress", x).compress(
-        x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs
-    )
+def _package(backend: str | None, tensors: tuple[torch.Tensor, ...]) -> str:
+    if backend not in DECIDED:
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"`backend` must be one of {BACKENDS} or None, got {backend!r}")
+        backend = resolve_backend(*tensors, requested=backend or default_backend())
+    return "kernels" if backend == "cuda" else "reference"
 
 
-def decompress(packed, norms, rotation, centroids, bits, head_dim, dtype=torch.float32, hadamard_signs=None):
+def _reference_unless_served(op: str, module: str, backend: str | None, tensors: tuple, *question) -> ModuleType:
+    """The kernel module of ``op`` unless the backend is the reference or the kernel module answers
+    ``unsupported(*question)`` with a reason (then the reference, logged once per reason)."""
+    package = _package(backend, tensors)
+    if package == "kernels":
+        kernel = importlib.import_module(f"flashquant_hf.kernels.{module}")
+        reason = kernel.unsupported(*question)
+        if reason is None:
+            return kernel
+        warn_once(logger, f"flashquant-hf has no CUDA `{op}` kernel for {reason}; using the PyTorch reference")
+    return importlib.import_module(f"flashquant_hf.reference.{module}")
+
+
+def compress(
+    x, rotation, boundaries, bits, centroids=None, norm_correction=False, hadamard_signs=None, *,
+    backend: str | None = None, split_code: bool = False,
+):
+    """See :func:`flashquant_hf.reference.compress.compress`; ``split_code``: ``x`` is one part of a split code
+    (:class:`~flashquant_hf.codec.HeadCodec`)."""
+    module = _reference_unless_served("compress", "compress", backend, (x,), x.shape[-1], bits, split_code)
+    return module.compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs)
+
+
+def decompress(
+    packed, norms, rotation, centroids, bits, head_dim, dtype=torch.float32, hadamard_signs=None, *,
+    backend: str | None = None,
+):
     """See :func:`flashquant_hf.reference.decompress.decompress`."""
-    return implementation("decompress", packed).decompress(
-        packed, norms, rotation, centroids, bits, head_dim, dtype, hadamard_signs
-    )
+    module = _reference_unless_served("decompress", "decompress", backend, (packed,), head_dim, bits)
+    return module.decompress(packed, norms, rotation, centroids, bits, head_dim, dtype, hadamard_signs)
+
+
+def dequantize_rotated(packed, norms, centroids, bits, head_dim, *, backend: str | None = None):
+    """See :func:`flashquant_hf.reference.decompress.dequantize_rotated` (fp32 ``[..., head_dim]``)."""
+    module = _reference_unless_served("dequantize_rotated", "decompress", backend, (packed,), head_dim, bits)
+    return module.dequantize_rotated(packed, norms, centroids, bits, head_dim)
 
 
 def tq_attention(
     q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
-    causal=False, key_bias=None,
+    causal=False, key_bias=None, *, backend: str | None = None,
 ):
     """See :func:`flashquant_hf.reference.tq_attention.tq_attention`."""
-    return implementation("tq_attention", q_rot, k_packed).tq_attention(
+    module = _reference_unless_served("tq_attention", "tq_attention", backend, (q_rot, k_packed), k_bits, v_bits)
+    return module.tq_attention(
         q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
         causal=causal, key_bias=key_bias,
     )
 
 
-def merge_partials(outs, lses):
+def merge_partials(outs, lses, *, backend: str | None = None):
     """See :func:`flashquant_hf.reference.merge_partials.merge_partials`."""
-    return implementation("merge_partials", outs).merge_partials(outs, lses)
+    return implementation("merge_partials", outs, backend=backend).merge_partials(outs, lses)

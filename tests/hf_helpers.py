@@ -9,6 +9,8 @@ import inspect
 import torch
 import transformers
 
+from flashquant_hf.cache import cache_kwargs  # noqa: F401  (the keyword the installed transformers takes)
+
 VOCAB = 96
 PAD = 0
 
@@ -90,12 +92,6 @@ def qwen3_next_config():
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16,
     )
-
-
-def cache_kwargs(model, cache) -> dict:
-    """``{"cache": cache}`` on transformers versions that name it so (>= 5.2x), else ``{"past_key_values": cache}``."""
-    params = inspect.signature(model.forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 def prompt_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:

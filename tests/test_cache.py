@@ -9,9 +9,11 @@ from attention_helpers import causal_mask, float64_attention
 from hf_helpers import one_thread
 
 from flashquant_hf import TurboQuantCache, TurboQuantConfig, TurboQuantLayer
-from flashquant_hf.cache import TAG, CompressedPlan, FirstPrefillTag
+from flashquant_hf.attention import compressed_attention
 from flashquant_hf.codec import quantizer
-from flashquant_hf.hf_attention import compressed_attention, install, mask_to_bias
+from flashquant_hf.masks import mask_to_bias
+from flashquant_hf.registration import install, uninstall
+from flashquant_hf.tags import TAG, CompressedPlan, FirstPrefillTag
 
 B, H, D = 2, 2, 16
 
@@ -223,10 +225,28 @@ def test_crop_removes_window_then_compressed_then_sinks():
     assert (layer.num_sink, layer.num_compressed, layer.num_window) == (2, 10, 0)
     layer.crop(0)
     assert layer.get_seq_length() == 12
-    with pytest.raises(ValueError, match="negative"):
+    if _positive_crop_keeps():  # transformers 5.17: a positive value is the length to keep (deprecated there)
         layer.crop(5)
+        assert (layer.num_sink, layer.num_compressed, layer.num_window) == (2, 3, 0)
+    else:
+        with pytest.raises(ValueError, match="negative"):
+            layer.crop(5)
+        assert layer.get_seq_length() == 12
     layer.crop(-100)
     assert layer.get_seq_length() == 0
+
+
+def _positive_crop_keeps() -> bool:
+    """Whether the installed transformers' DynamicLayer.crop takes a positive value as the length to keep."""
+    from transformers.cache_utils import DynamicLayer
+
+    layer = DynamicLayer()
+    layer.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+    try:
+        layer.crop(1)
+    except ValueError:
+        return False
+    return layer.get_seq_length() == 1
 
 
 def test_crop_then_continue_matches_a_fresh_run_of_the_same_tokens():
@@ -438,20 +458,60 @@ def test_cache_builds_from_overrides_and_configs():
         TurboQuantCache(bits=8)
 
 
-def test_install_registers_flashquant_and_wraps_other_implementations():
+def _interface_mappings() -> tuple[dict, dict]:
+    """Copies of transformers' global attention and mask-function mappings."""
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
+    return dict(AttentionInterface._global_mapping), dict(AttentionMaskInterface._global_mapping)
+
+
+def _check_installed(attention_before: dict, masks_before: dict) -> None:
+    """"turboquant" added to both interfaces, sdpa and eager wrapped around what was there, nothing else touched."""
+    from flashquant_hf.registration import flashquant_attention_forward
+
+    attention, masks = _interface_mappings()
+    assert attention["turboquant"] is flashquant_attention_forward
+    assert masks == {**masks_before, "turboquant": masks["turboquant"]}
+    assert attention["sdpa"]._flashquant_original is attention_before["sdpa"]
+    assert attention["eager"]._flashquant_original is attention_before.get("eager")
+    unrouted = {name: fn for name, fn in attention.items() if name not in ("sdpa", "eager", "turboquant")}
+    assert unrouted == {name: fn for name, fn in attention_before.items() if name not in ("sdpa", "eager")}
+
+
+def test_install_routes_sdpa_and_eager_only_and_uninstall_restores_the_interfaces():
+    uninstall()
+    before = _interface_mappings()
     install()
+    _check_installed(*before)
+    installed = _interface_mappings()
     install()  # idempotent
-    mapping = AttentionInterface._global_mapping
-    assert "turboquant" in mapping and "turboquant" in AttentionMaskInterface._global_mapping
-    for name in ("sdpa", "eager", "flash_attention_2"):
-        assert getattr(mapping[name], "_flashquant_original", "missing") != "missing"
-    assert mapping["sdpa"]._flashquant_original.__name__ == "sdpa_attention_forward"
+    assert _interface_mappings() == installed
 
     layer = _layer(residual_length=1)
     _fill(layer, [5])
     out_k, out_v = layer.update(*_kv(1))
-    with pytest.raises(NotImplementedError, match="'sdpa', 'eager' or 'turboquant'"):
-        mapping["flash_attention_2"](torch.nn.Module(), torch.randn(B, 2, 1, D), out_k, out_v, None)
+    query = torch.randn(B, 4, 1, D, generator=torch.Generator().manual_seed(3))
+    routed, _ = installed[0]["sdpa"](torch.nn.Module(), query, out_k, out_v, None)
+    assert layer._pending is None  # the routed sdpa served the compressed plan
+    assert torch.equal(routed, compressed_attention(getattr(out_k, TAG), query, None))
+
+    uninstall()
+    assert _interface_mappings() == before
+    TurboQuantCache()  # a new cache installs again
+    _check_installed(*before)
+
+
+def test_uninstall_keeps_an_implementation_registered_after_install():
+    from transformers.modeling_utils import AttentionInterface
+
+    install()
+    original = AttentionInterface._global_mapping["sdpa"]._flashquant_original
+    custom = lambda *args, **kwargs: original(*args, **kwargs)  # noqa: E731
+    AttentionInterface.register("sdpa", custom)
+    try:
+        uninstall()
+        assert AttentionInterface._global_mapping["sdpa"] is custom
+    finally:
+        AttentionInterface.register("sdpa", original)
+        install()

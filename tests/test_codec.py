@@ -9,12 +9,13 @@ from attention_helpers import causal_mask, float64_attention
 from hf_helpers import one_thread
 
 from flashquant_hf import TurboQuantCache, TurboQuantConfig, TurboQuantLayer
-from flashquant_hf.cache import TAG, CompressedPlan
+from flashquant_hf.attention import compressed_attention
 from flashquant_hf.codec import HeadCodec
-from flashquant_hf.hf_attention import compressed_attention, mask_to_bias
+from flashquant_hf.masks import mask_to_bias
 from flashquant_hf.packing import packed_size
 from flashquant_hf.quantizer import CompressedTensor
 from flashquant_hf.reference.compress import compress as reference_compress
+from flashquant_hf.tags import TAG, CompressedPlan
 
 B, H, D = 2, 2, 16
 

@@ -3,12 +3,16 @@ and working with compression active (every token compressed, windows shorter tha
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import pytest
 import torch
 from hf_helpers import PAD, cache_kwargs, one_thread, prompt_ids, tiny_model
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from flashquant_hf import TurboQuantCache, TurboQuantConfig, hf_attention
+from flashquant_hf import TurboQuantCache, TurboQuantConfig, TurboQuantLayer
 
 NEW = 10
 LONG_WINDOW = 1024  # longer than prompt + generated tokens: nothing is ever compressed
@@ -129,6 +133,80 @@ def test_assisted_generation_with_compression_active_crops_the_store():
     assert cache.get_seq_length() == 8 + NEW - 1
 
 
+@pytest.mark.parametrize("family", ["mistral_sliding", "gemma3"])
+@pytest.mark.parametrize("model_config", [False, True])
+def test_assisted_generation_after_the_sliding_window_filled(family, model_config):
+    """Rejected draft tokens are rolled back with crop(), which a sliding layer past its window can do only if it
+    recorded its past: generate calls activate_past_recording before the lazily built layers exist, so the cache
+    passes it on to the layers it builds later. Nothing compressed: identical to DynamicCache."""
+    model = tiny_model(family)
+    assistant = tiny_model("llama", seed=1, num_hidden_layers=1)
+    ids = prompt_ids(1, 12, seed=11)  # longer than the sliding window (8)
+    expected = _generate(model, DynamicCache(), ids, assistant_model=assistant, do_sample=False)
+    built = {"model_config": model.config} if model_config else {}
+    cache = TurboQuantCache(residual_length=LONG_WINDOW, **built)
+    got = _generate(model, cache, ids, assistant_model=assistant, do_sample=False)
+    assert torch.equal(got, expected)
+    assert any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers)
+
+
+def test_assisted_generation_after_the_sliding_window_filled_with_compression_active():
+    model = tiny_model("gemma3")  # sliding and full-attention layers
+    assistant = tiny_model("llama", seed=1, num_hidden_layers=1)
+    ids = prompt_ids(1, 12, seed=11)
+    cache = TurboQuantCache(residual_length=2, window_block=1)
+    got = _generate(model, cache, ids, assistant_model=assistant, do_sample=False)
+    assert got.shape == (1, 12 + NEW)
+    full = cache.layers[1]
+    assert isinstance(full, TurboQuantLayer) and full.get_seq_length() == 12 + NEW - 1 and full.num_compressed > 0
+
+
+@pytest.mark.parametrize("tokens", [5, 0, -3])
+def test_crop_follows_dynamic_cache_on_the_installed_transformers(tokens):
+    """crop() takes what DynamicCache.crop takes on the installed transformers (5.17: a positive value is the
+    length to keep, deprecated; later versions raise for it); the following tokens then get DynamicCache's logits."""
+    model = tiny_model("llama")
+    ids = prompt_ids(1, 11, seed=12)
+    outcomes = []
+    for cache in (DynamicCache(), TurboQuantCache(residual_length=LONG_WINDOW)):
+        with torch.no_grad():
+            model(ids[:, :9], **cache_kwargs(model, cache), use_cache=True)
+            try:
+                cache.crop(tokens)
+            except ValueError:
+                outcomes.append(None)
+                continue
+            kept = cache.get_seq_length()
+            logits = model(ids[:, kept : kept + 2], **cache_kwargs(model, cache), use_cache=True).logits
+        outcomes.append((kept, logits))
+    expected, got = outcomes
+    if expected is None:
+        assert got is None and tokens > 0
+    else:
+        assert got is not None and got[0] == expected[0] == min(9, 9 + tokens if tokens <= 0 else tokens)
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=1e-6)
+
+
+def test_cache_and_past_key_values_keywords_generate_alike_and_ours_warns_nothing(caplog):
+    """Both keywords work; the one the project passes (cache_kwargs) raises no deprecation warning."""
+    model = tiny_model("llama")
+    ids = prompt_ids(1, 8, seed=13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # how transformers >= 5.2x flags `past_key_values`
+        with caplog.at_level("WARNING"):
+            ours = _generate(model, TurboQuantCache(residual_length=0), ids, do_sample=False)
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()], caplog.text
+    for name in ("cache", "past_key_values"):
+        if name == "cache" and "cache" not in inspect.signature(model.forward).parameters:
+            continue  # transformers 5.17 knows only past_key_values
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers' own notice for past_key_values
+            with torch.inference_mode():
+                cache = TurboQuantCache(residual_length=0)
+                got = model.generate(ids, max_new_tokens=NEW, do_sample=False, **{name: cache})
+        assert torch.equal(got, ours), name
+
+
 def test_left_padded_rows_match_their_unpadded_runs_with_compression_active():
     """Padding reaches the compressed part as a key bias: each row decodes as if it were alone.
 
@@ -162,22 +240,25 @@ def test_attn_implementation_turboquant_is_registered():
     assert torch.equal(compressed, sdpa_compressed)
 
 
-def test_unsupported_attention_implementation_raises_a_clear_error():
+def test_unrouted_attention_implementation_raises_a_clear_error():
+    """An implementation flashquant does not route is left as registered; the layer whose compressed K/V reached
+    it raises at its next update, so generate() fails instead of returning window-only attention."""
     from transformers.modeling_utils import AttentionInterface
 
     model = tiny_model("llama")
     ids = prompt_ids(1, 6, seed=9)
     cache = TurboQuantCache(residual_length=0)
-    AttentionInterface.register("my_kernel", AttentionInterface._global_mapping["sdpa"]._flashquant_original)
-    TurboQuantCache()  # wraps functions registered since the last install
+    my_kernel = AttentionInterface._global_mapping["sdpa"]._flashquant_original
+    AttentionInterface.register("my_kernel", my_kernel)
+    TurboQuantCache()  # installing again leaves implementations it does not route alone
+    assert AttentionInterface._global_mapping["my_kernel"] is my_kernel
     model.set_attn_implementation("my_kernel")
     try:
-        with pytest.raises(NotImplementedError, match="'my_kernel'"):
+        with pytest.raises(RuntimeError, match="never reached the flashquant.*'sdpa', 'eager' or 'turboquant'"):
             _generate(model, cache, ids, do_sample=False)
     finally:
         model.set_attn_implementation("sdpa")
         AttentionInterface._global_mapping.pop("my_kernel")
-        hf_attention._originals.pop("my_kernel", None)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import tp_worker
-from hf_helpers import VOCAB, tiny_model
+from hf_helpers import VOCAB, cache_kwargs, tiny_model
 from transformers import DynamicCache
 
 from flashquant_hf import TurboQuantCache
@@ -32,8 +32,8 @@ def tp_results(tmp_path_factory):
 
 
 def _single(model, prompt, cache):
-    out = model.generate(prompt, past_key_values=cache, max_new_tokens=STEPS, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
+    out = model.generate(prompt, **cache_kwargs(model, cache), max_new_tokens=STEPS, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
     return out.sequences, torch.stack(out.logits, 1)
 
 

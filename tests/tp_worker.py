@@ -19,6 +19,7 @@ import transformers
 from transformers import DynamicCache
 
 from flashquant_hf import TurboQuantCache
+from flashquant_hf.cache import cache_kwargs
 
 
 def main(model_dir: str, out_path: str, prompt_path: str, steps: int, device: str = "cpu") -> None:
@@ -34,7 +35,7 @@ def main(model_dir: str, out_path: str, prompt_path: str, steps: int, device: st
         ("compressed", TurboQuantCache(residual_length=0, sink_tokens=0)),
     ):
         out = model.generate(
-            ids, past_key_values=cache, max_new_tokens=steps, do_sample=False, output_logits=True,
+            ids, **cache_kwargs(model, cache), max_new_tokens=steps, do_sample=False, output_logits=True,
             return_dict_in_generate=True,
         )
         results[name] = (out.sequences.cpu(), torch.stack(out.logits, 1).cpu())

@@ -7,15 +7,14 @@ the rotation runs as a Walsh-Hadamard transform (the kernel then trusts that ``r
 fp32 accumulation), as a fast transform in registers and shuffles otherwise. Without them ``rotation`` is
 used as a dense fp32 matrix.
 
-Head dims and bit widths outside :data:`HEAD_DIMS` x :data:`BITS` fall back to the PyTorch reference on the
-same device (logged once). Importing this module does not import CuPy.
+Head dims and bit widths outside :data:`HEAD_DIMS` x :data:`BITS` have no kernel (:func:`unsupported` says why;
+:mod:`flashquant_hf.ops` then runs the PyTorch reference). Importing this module does not import CuPy.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import logging
 from typing import Sequence
 
 import numpy as np
@@ -26,8 +25,6 @@ from ..packing import packed_size
 from . import loader
 from .checks import check_tensor
 from .loader import device_index
-
-logger = logging.getLogger(__name__)
 
 CUDA_SOURCE = "compress.cu"
 
@@ -155,17 +152,31 @@ def aligned_rows(t: torch.Tensor, alignment: int) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-_fallback_warned: set[tuple[str, int, int]] = set()
+SPLIT_CODES = (
+    "split codes (`outlier_channels` / `key_qjl`): no fused kernel reads them, so their whole path runs on the "
+    "reference and decoding is much slower than with the default code"
+)
 
 
-def warn_fallback(op: str, head_dim: int, bits: int) -> None:
-    """Log once per (op, head_dim, bits) that the PyTorch reference runs instead of a kernel."""
-    key = (op, head_dim, bits)
-    if key not in _fallback_warned:
-        _fallback_warned.add(key)
-        logger.warning(
-            "flashquant-hf has no CUDA `%s` kernel for head_dim=%d, bits=%d (kernels: head_dim %s, bits %s); "
-            "using the PyTorch reference", op, head_dim, bits, HEAD_DIMS, BITS,
+def unsupported(head_dim: int, bits: int, split_code: bool = False) -> str | None:
+    """Why no compress kernel serves ``head_dim``-vectors at ``bits`` bits (a phrase), or None when one does.
+
+    ``split_code``: the vectors are one part of a split code (:class:`~flashquant_hf.codec.HeadCodec`), which stays
+    on the reference with the attention that reads it.
+    """
+    if split_code:
+        return SPLIT_CODES
+    if head_dim not in HEAD_DIMS or bits not in BITS:
+        return f"head_dim={head_dim}, bits={bits} (kernels: head_dim {HEAD_DIMS}, bits {BITS})"
+    return None
+
+
+def check_served(op: str, head_dim: int, bits: int) -> None:
+    """Raise a ValueError naming the reason when no ``op`` kernel serves ``head_dim`` x ``bits``."""
+    reason = unsupported(head_dim, bits)
+    if reason is not None:
+        raise ValueError(
+            f"no CUDA `{op}` kernel for {reason}; `flashquant_hf.ops.{op}` runs the PyTorch reference for it"
         )
 
 
@@ -213,7 +224,7 @@ def compress(
     x : shape [..., D], fp16/bf16/fp32 CUDA tensor; any strides with a contiguous last dimension
     rotation : shape [D, D] fp32, rows rotate as ``x @ rotation.T``
     boundaries : shape [2^bits - 1] fp32, sorted
-    bits : 2, 3 or 4 (1 runs the reference)
+    bits : 2, 3 or 4 (:func:`unsupported` for the others)
     centroids : shape [2^bits] fp32; required for ``norm_correction``
     norm_correction : store ``||x|| / ||centroids[idx]||``
     hadamard_signs : shape [D] fp32, the signs ``s`` of ``rotation = H diag(s) / sqrt(D)``: selects the fast
@@ -227,11 +238,7 @@ def compress(
     """
     bits = _check_compress_inputs(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs)
     head_dim = x.shape[-1]
-    if head_dim not in HEAD_DIMS or bits not in BITS:
-        from ..reference.compress import compress as reference_compress
-
-        warn_fallback("compress", head_dim, bits)
-        return reference_compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs)
+    check_served("compress", head_dim, bits)
 
     lead = tuple(x.shape[:-1])
     packed = torch.empty(lead + (packed_size(head_dim, bits),), dtype=torch.uint8, device=x.device)

@@ -24,13 +24,14 @@ from .compress import (
     THREADS,
     aligned_rows,
     check_bits,
+    check_served,
     check_tensor,
     collapse_rows,
     device_index,
     fast_divider,
     sm_count,
-    warn_fallback,
 )
+from .compress import unsupported as _unsupported
 
 CUDA_SOURCE = "decompress.cu"
 KERNELS: tuple[str, ...] = ("dequantize_rotated", "decompress_hadamard")
@@ -47,6 +48,12 @@ NAME_EXPRESSIONS: tuple[str, ...] = tuple(kernel_name(k, d, b, t) for k in KERNE
 # Threads per row (cuda/decompress.cu Shape::LANES): 16 coordinates each.
 LANES = {64: 4, 128: 8, 256: 16}
 _WAVES = 16
+
+
+def unsupported(head_dim: int, bits: int) -> str | None:
+    """Why no decompress kernel serves ``head_dim``-vectors at ``bits`` bits (a phrase), or None when one does
+    (the compress kernels' table)."""
+    return _unsupported(head_dim, bits)
 
 
 def _check_decompress_inputs(
@@ -87,7 +94,7 @@ def dequantize_rotated(
     packed : uint8 shape [..., ceil(D*bits/8)] CUDA tensor (any leading strides)
     norms : fp32 shape [...]
     centroids : fp32 shape [2^bits]
-    bits, head_dim : the code's bit width (2/3/4; 1 runs the reference) and D
+    bits, head_dim : the code's bit width (2/3/4) and D (:func:`unsupported` for the others)
     dtype : output dtype (fp32 like the reference by default; fp16/bf16 halve the bytes written)
 
     Returns
@@ -97,11 +104,7 @@ def dequantize_rotated(
     >>> y = dequantize_rotated(packed, norms, centroids, 4, 128, torch.bfloat16)  # doctest: +SKIP
     """
     bits = _check_decompress_inputs(packed, norms, centroids, bits, head_dim, dtype)
-    if head_dim not in HEAD_DIMS or bits not in BITS:
-        from ..reference.decompress import dequantize_rotated as reference
-
-        warn_fallback("dequantize_rotated", head_dim, bits)
-        return reference(packed, norms, centroids, bits, head_dim).to(dtype)
+    check_served("dequantize_rotated", head_dim, bits)
     out = torch.empty(tuple(packed.shape[:-1]) + (head_dim,), dtype=dtype, device=packed.device)
     if out.numel():
         launch_decompress(packed, norms, centroids, bits, None, out)
@@ -126,7 +129,7 @@ def decompress(
     norms : fp32 shape [...]
     rotation : fp32 shape [D, D]
     centroids : fp32 shape [2^bits]
-    bits, head_dim : the code's bit width (2/3/4; 1 runs the reference) and D
+    bits, head_dim : the code's bit width (2/3/4) and D (:func:`unsupported` for the others)
     dtype : output dtype (fp16/bf16/fp32)
     hadamard_signs : fp32 shape [D], the signs of ``rotation = H diag(s) / sqrt(D)``: the inverse rotation
         then runs inside the kernel as a fast Walsh-Hadamard transform
@@ -141,11 +144,7 @@ def decompress(
     check_tensor("rotation", rotation, packed.device, (torch.float32,), (head_dim, head_dim))
     if hadamard_signs is not None:
         check_tensor("hadamard_signs", hadamard_signs, packed.device, (torch.float32,), (head_dim,))
-    if head_dim not in HEAD_DIMS or bits not in BITS:
-        from ..reference.decompress import decompress as reference
-
-        warn_fallback("decompress", head_dim, bits)
-        return reference(packed, norms, rotation, centroids, bits, head_dim, dtype, hadamard_signs)
+    check_served("decompress", head_dim, bits)
     shape = tuple(packed.shape[:-1]) + (head_dim,)
     if hadamard_signs is not None:
         out = torch.empty(shape, dtype=dtype, device=packed.device)

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from flashquant_hf import ops
 from flashquant_hf.codebook import lloyd_max_codebook
 from flashquant_hf.kernels import compress as kc
 from flashquant_hf.kernels import loader
@@ -274,19 +275,19 @@ def test_tiny_rows_take_the_exact_fallback(poison):
         _check(f"tiny rows nc={nc}", x, packed, norms, rotation, boundaries, centroids, bits, nc)
 
 
-def test_unsupported_sizes_fall_back_to_the_reference():
-    """head_dim 96 and bits 1 have no kernel: the wrapper returns the reference's result on the GPU."""
-    x = torch.randn(5, 96, device="cuda")
-    rotation = random_rotation(96, 0, device="cuda")
-    centroids, boundaries = lloyd_max_codebook(96, 4).tensors("cuda")
-    got = kc.compress(x, rotation, boundaries, 4, centroids)
-    want = reference_compress(x, rotation, boundaries, 4, centroids)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    x = torch.randn(5, 64, device="cuda")
-    rotation = random_rotation(64, 0, device="cuda")
-    _, boundaries = lloyd_max_codebook(64, 1).tensors("cuda")
-    got = kc.compress(x, rotation, boundaries, 1)
-    want = reference_compress(x, rotation, boundaries, 1)
+@pytest.mark.parametrize("head_dim, bits", [(96, 4), (64, 1)])
+def test_unsupported_sizes_run_the_reference_through_ops(head_dim, bits):
+    """head_dim 96 and bits 1 have no kernel: the wrapper refuses them with the reason, and ops.compress on the
+    "cuda" backend returns the reference's result on the GPU."""
+    x = torch.randn(5, head_dim, device="cuda")
+    rotation = random_rotation(head_dim, 0, device="cuda")
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    reason = kc.unsupported(head_dim, bits)
+    assert reason is not None and kc.unsupported(128, 4) is None
+    with pytest.raises(ValueError, match=f"head_dim={head_dim}, bits={bits}"):
+        kc.compress(x, rotation, boundaries, bits, centroids)
+    got = ops.compress(x, rotation, boundaries, bits, centroids, backend="cuda")
+    want = reference_compress(x, rotation, boundaries, bits, centroids)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from flashquant_hf import ops
 from flashquant_hf.codebook import lloyd_max_codebook
 from flashquant_hf.kernels import decompress as kd
 from flashquant_hf.kernels import loader
@@ -179,13 +180,20 @@ def test_dense_decompress_ignores_tf32_setting():
     _check_close("tf32 on", got, packed, norms, rotation, centroids, bits, head_dim, torch.float32)
 
 
-def test_unsupported_sizes_fall_back_to_the_reference():
+def test_unsupported_sizes_run_the_reference_through_ops():
+    """head_dim 96 has no kernel: the wrappers refuse it with the reason, and ops on the "cuda" backend return the
+    reference's results on the GPU."""
     rotation = random_rotation(96, 0, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     packed, norms, centroids = _codes((5,), 96, 4, rotation, gen, nc=False)
-    got = kd.decompress(packed, norms, rotation, centroids, 4, 96, torch.bfloat16)
+    assert kd.unsupported(96, 4) is not None and kd.unsupported(128, 4) is None
+    with pytest.raises(ValueError, match="head_dim=96"):
+        kd.decompress(packed, norms, rotation, centroids, 4, 96, torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        kd.dequantize_rotated(packed, norms, centroids, 4, 96)
+    got = ops.decompress(packed, norms, rotation, centroids, 4, 96, torch.bfloat16, backend="cuda")
     assert torch.equal(got, reference_decompress(packed, norms, rotation, centroids, 4, 96, torch.bfloat16))
-    got = kd.dequantize_rotated(packed, norms, centroids, 4, 96)
+    got = ops.dequantize_rotated(packed, norms, centroids, 4, 96, backend="cuda")
     assert torch.equal(got, reference_dequantize(packed, norms, centroids, 4, 96))
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from flashquant_hf import TurboQuantCache
+from flashquant_hf import TurboQuantCache, log
+from flashquant_hf.cache import cache_kwargs
 
 
 def _tiny_llama(head_dim: int) -> LlamaForCausalLM:
@@ -18,10 +19,10 @@ def _tiny_llama(head_dim: int) -> LlamaForCausalLM:
 
 @torch.no_grad()
 def _teacher_forced_logits(model, ids, prefix, cache):
-    out = model(ids[:, :prefix], past_key_values=cache, use_cache=True)
+    out = model(ids[:, :prefix], **cache_kwargs(model, cache), use_cache=True)
     logits = [out.logits[:, -1].float()]
     for t in range(prefix, ids.shape[1]):
-        logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1].float())
+        logits.append(model(ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits[:, -1].float())
     return torch.stack(logits, 1)
 
 
@@ -46,8 +47,8 @@ def test_generate_equals_dynamic_cache_while_everything_is_exact(monkeypatch):
     model = _tiny_llama(128)
     ids = torch.randint(0, 512, (2, 40), device="cuda")
     kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
-    ours = model.generate(ids, past_key_values=TurboQuantCache(residual_length=1024), **kwargs)
-    theirs = model.generate(ids, past_key_values=DynamicCache(), **kwargs)
+    ours = model.generate(ids, **cache_kwargs(model, TurboQuantCache(residual_length=1024)), **kwargs)
+    theirs = model.generate(ids, **cache_kwargs(model, DynamicCache()), **kwargs)
     assert torch.equal(ours, theirs)
 
 
@@ -57,7 +58,7 @@ def test_compressed_generate_runs_on_kernels(monkeypatch):
     model = _tiny_llama(128)
     ids = torch.randint(0, 512, (1, 64), device="cuda")
     cache = TurboQuantCache(residual_length=0)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 80)
     assert cache.get_seq_length() == 79
 
@@ -66,9 +67,7 @@ def test_compressed_generate_runs_on_kernels(monkeypatch):
 @pytest.mark.parametrize("bits", [4, 3, 2.5])
 def test_presets_with_sinks_and_centring_run_on_kernels(monkeypatch, caplog, head_dim, bits):
     """The quality defaults (sinks, key centring) and the 3 / 2.5-bit presets: no fallback, same as reference."""
-    from flashquant_hf import hf_attention
-
-    monkeypatch.setattr(hf_attention, "_warned", set())
+    monkeypatch.setattr(log, "_warned", set())  # every fallback or slow path would be logged again
     model = _tiny_llama(head_dim)
     ids = torch.randint(0, 512, (2, 260), device="cuda")
     settings = dict(bits=bits, residual_length=16, sink_tokens=4, key_centering=True)
@@ -87,9 +86,7 @@ def test_presets_with_sinks_and_centring_run_on_kernels(monkeypatch, caplog, hea
 @pytest.mark.parametrize("levers", [dict(bits=3, outlier_channels=32), dict(bits=4, key_qjl=True)])
 def test_split_codes_run_on_the_reference_with_a_warning(monkeypatch, caplog, levers):
     """Outlier channels / QJL residual on CUDA tensors: served by the PyTorch reference, said once, same logits."""
-    from flashquant_hf import codec
-
-    monkeypatch.setattr(codec, "_warned", False)
+    monkeypatch.setattr(log, "_warned", set())
     model = _tiny_llama(128)
     ids = torch.randint(0, 512, (2, 160), device="cuda")
     settings = dict(residual_length=16, **levers)

@@ -15,6 +15,7 @@ import transformers
 from transformers import DynamicCache
 
 from flashquant_hf import TurboQuantCache
+from flashquant_hf.cache import cache_kwargs
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (issue #8)")
 
@@ -47,8 +48,8 @@ def _prompt(batch: int = 2, length: int = 80) -> torch.Tensor:
 
 def _generate(model, prompt: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
     model.generation_config.eos_token_id = None
-    out = model.generate(prompt.to(model.device), past_key_values=cache, max_new_tokens=STEPS, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True)
+    out = model.generate(prompt.to(model.device), **cache_kwargs(model, cache), max_new_tokens=STEPS,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
     return out.sequences.cpu(), torch.stack(out.logits, 1).float().cpu()
 
 

@@ -1,0 +1,274 @@
+"""The attention over a TurboQuantLayer: its compressed part through ``ops.tq_attention``, its exact parts in
+torch, merged by log-sum-exp.
+
+The compressed-path algorithm (one call, ``Lq`` queries, the layer holding ``S`` sinks, ``Nc`` compressed and
+``W`` window tokens; queries are the last ``Lq`` positions):
+
+1. ``q_rot = q @ Pi_K.T`` once; ``ops.tq_attention`` over the compressed part. With causal masking the first
+   ``Lq - W`` queries (if any) see the compressed part bottom-right-causally, the others see all of it; padding
+   comes from the 4D mask as a per-key bias. Key centring shifts every compressed score of one query by
+   ``scale * q . mu_k``: added to that part's log-sum-exp.
+2. ``out_c @ Pi_V`` once (+ ``mu_v`` with value centring).
+3. The exact parts (sinks and window) attended in torch with their own log-sum-exp, then ``ops.merge_partials``.
+
+A mask that is not "causal structure + per-key bias" (a custom 4D mask, a sliding window over a compressed
+layer during a multi-token chunk), soft-capping (Gemma-2) and split codes (outlier channels, QJL residual;
+:mod:`flashquant_hf.codec`) take an exact torch path instead (correct, slower: the codecs rebuild the compressed
+K/V in their rotated spaces). Every op runs on the layer's backend, decided once when the layer was initialised.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import ops
+from .log import warn_once
+from .masks import as_bias, bias_from, causal_visible, check_mask, is_regular
+from .tags import CompressedPlan
+
+if TYPE_CHECKING:
+    from .layer import TurboQuantLayer
+
+logger = logging.getLogger(__name__)
+
+TORCH_ROWS = 64  # query rows per block of the torch path (its scores are [B, Hq, rows, Nc] fp32)
+
+
+# --------------------------------------------------------------------------------------------- exact parts
+def exact_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over exact K/V in fp32 with its log-sum-exp.
+
+    Parameters
+    ----------
+    query : shape [B, Hq, Lq, D]
+    keys, values : shape [B, H_kv, N, D] (Hq a multiple of H_kv)
+    bias : fp32 shape [B, Lq, N] additive (-inf masked), or None
+    scale, softcap : as in the model (scores are ``softcap * tanh(scale * q.k / softcap)`` when soft-capped)
+
+    Returns
+    -------
+    out : fp32 shape [B, Hq, Lq, D] (0 for a row that sees nothing); lse : fp32 shape [B, Hq, Lq]
+    """
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    q = query.float().reshape(batch, kv_heads, group * q_len, head_dim)
+    scores = (q @ keys.float().transpose(-1, -2)).view(batch, kv_heads, group, q_len, kv_len) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias[:, None, None]
+    return _softmax_out(scores, values.float(), q_heads, masked=bias is not None or kv_len == 0)
+
+
+def _softmax(scores: torch.Tensor, masked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities, log-sum-exp) over the last dim; rows that see nothing get probabilities 0 and lse -inf.
+
+    ``masked=False`` promises that no score is -inf (every row sees every key): fewer kernels per decode step.
+    """
+    lse = torch.logsumexp(scores, dim=-1)
+    if not masked:
+        return torch.exp(scores - lse.unsqueeze(-1)), lse
+    finite = torch.isfinite(lse)
+    probs = torch.exp(scores - torch.where(finite, lse, 0).unsqueeze(-1))
+    return torch.where(finite.unsqueeze(-1), probs, 0), lse
+
+
+def _softmax_out(
+    scores: torch.Tensor, values: torch.Tensor, q_heads: int, masked: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [B, H_kv, G, Lq, N], values [B, H_kv, N, D] -> (out [B, Hq, Lq, D], lse [B, Hq, Lq])."""
+    batch, kv_heads, group, q_len, kv_len = scores.shape
+    probs, lse = _softmax(scores, masked)
+    out = probs.view(batch, kv_heads, group * q_len, kv_len) @ values
+    return out.view(batch, q_heads, q_len, -1), lse.reshape(batch, q_heads, q_len)
+
+
+def to_model_layout(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, Hq, Lq, D] -> a new contiguous [B, Lq, Hq, D] in ``dtype`` (one copy kernel)."""
+    batch, q_heads, q_len, head_dim = out.shape
+    result = torch.empty((batch, q_len, q_heads, head_dim), dtype=dtype, device=out.device)
+    return result.copy_(out.transpose(1, 2))
+
+
+# --------------------------------------------------------------------------------------------- compressed part
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, Hq, Lq, D] -> [B, H_kv, G, Lq, D] (query head h uses KV head h // G)."""
+    batch, q_heads, q_len, head_dim = x.shape
+    return x.reshape(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
+
+
+def _compressed_fast(
+    layer: TurboQuantLayer,
+    query: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    first_causal_rows: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.tq_attention over the compressed part: (out [B, Hq, Lq, D] fp32 in model space, lse incl. centring)."""
+    dev = query.device
+    tq_k, tq_v = layer.key_codec.quantizer, layer.value_codec.quantizer
+    kp, kn, vp, vn = layer.compressed_views()
+    q_rot = (query.float() @ tq_k.rotation(dev).T).to(query.dtype)
+    args = (kp, kn, vp, vn, tq_k.centroids(dev), tq_v.centroids(dev), tq_k.bits, tq_v.bits, scale)
+    outs, lses = [], []
+    q_len = query.shape[2]
+    for rows, causal in ((slice(0, first_causal_rows), True), (slice(first_causal_rows, q_len), False)):
+        if rows.stop > rows.start:
+            q_rows = q_rot[:, :, rows].contiguous()
+            out, lse = ops.tq_attention(q_rows, *args, causal=causal, key_bias=key_bias, backend=layer.backend)
+            outs.append(out)
+            lses.append(lse)
+    out_rot = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    lse = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
+    out = out_rot.float() @ tq_v.rotation(dev)
+    return _uncenter(layer, query, out, lse.float(), scale)
+
+
+def _compressed_torch(
+    layer: TurboQuantLayer,
+    query: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch path over the compressed part, any code (bias fp32 [B, Lq, Nc]). The codecs multiply in their rotated
+    spaces, so the compressed K/V are never rebuilt in model space; long chunks run in blocks of TORCH_ROWS query
+    rows so their scores are never all held at once."""
+    if query.shape[2] > TORCH_ROWS:
+        parts = []
+        for r0 in range(0, query.shape[2], TORCH_ROWS):
+            rows = slice(r0, r0 + TORCH_ROWS)
+            parts.append(_compressed_torch(layer, query[:, :, rows], bias[:, rows], scale, softcap))
+        return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads = layer.num_heads
+    q = query.float().reshape(batch, kv_heads, -1, head_dim)
+    scores = layer.key_codec.dot(q, layer.key_views(), layer.key_order)
+    scores = scores.view(batch, kv_heads, q_heads // kv_heads, q_len, -1)
+    if layer.key_mean is not None:
+        q_mu = (_grouped(query.float(), kv_heads) * layer.key_mean[:, :, None, None, :]).sum(-1)
+        scores = scores + q_mu.unsqueeze(-1)
+    scores = scores * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + bias[:, None, None]
+    probs, lse = _softmax(scores)
+    out = layer.value_codec.weighted_sum(probs.view(batch, kv_heads, -1, probs.shape[-1]), layer.value_views(),
+                                         layer.value_order)
+    out = out.view(batch, q_heads, q_len, head_dim)
+    if layer.value_mean is not None:
+        out = (_grouped(out, kv_heads) + layer.value_mean[:, :, None, None, :]).reshape(out.shape)
+    return out, lse.reshape(batch, q_heads, q_len)
+
+
+def _uncenter(
+    layer: TurboQuantLayer, query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Undo key/value centring on a compressed part's (out, lse)."""
+    kv_heads = layer.num_heads
+    if layer.key_mean is not None:
+        q_mu = (_grouped(query.float(), kv_heads) * layer.key_mean[:, :, None, None, :]).sum(-1)
+        lse = lse + scale * q_mu.reshape(lse.shape)
+    if layer.value_mean is not None:
+        out = (_grouped(out, kv_heads) + layer.value_mean[:, :, None, None, :]).reshape(out.shape)
+    return out, lse
+
+
+def compressed_attention(
+    plan: CompressedPlan,
+    query: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    is_causal: bool = True,
+) -> torch.Tensor:
+    """Attention of ``query`` over everything a TurboQuantLayer holds (sinks, compressed part, window).
+
+    Parameters
+    ----------
+    plan : the tag of the tensors returned by ``TurboQuantLayer.update`` for this step
+    query : shape [B, Hq, Lq, D], the last Lq positions of the sequence
+    attention_mask : None (plain causal, no padding), or shape [B or 1, 1, Lq, N_total] bool (True = visible)
+        or float additive
+    scaling : softmax scale (default ``D ** -0.5``); softcap : Gemma-2 logit soft-capping or None
+    is_causal : whether positions are causal when ``attention_mask`` is None
+
+    Returns
+    -------
+    attn_output : shape [B, Lq, Hq, D] in ``query``'s dtype (as transformers' sdpa_attention_forward)
+    """
+    layer = plan.layer
+    layer.consume_plan(plan)
+    if query.dim() != 4 or query.shape[0] != layer.batch_size or query.shape[1] % layer.num_heads or (
+        query.shape[3] != layer.head_dim
+    ):
+        raise ValueError(
+            f"`query` must have shape [{layer.batch_size}, a multiple of {layer.num_heads}, Lq, {layer.head_dim}] "
+            f"for TurboQuantLayer {layer.layer_idx}, got {list(query.shape)}"
+        )
+    batch, _, q_len, head_dim = query.shape
+    n_sink, n_comp, n_win = plan.num_sink, plan.num_compressed, plan.num_window
+    total = n_sink + n_comp + n_win
+    scale = float(scaling) if scaling is not None else head_dim**-0.5
+    dev = query.device
+    mask = check_mask(attention_mask, batch, q_len, total)
+    # Without a mask a single causal query sees everything: no bias to build (the decode fast path).
+    all_visible = mask is None and (q_len == 1 or not is_causal)
+
+    # Compressed part: the causal structure + a per-key bias, unless the mask says otherwise.
+    comp = slice(n_sink, n_sink + n_comp)
+    key_bias = as_bias(mask[:, -1, comp]).expand(batch, n_comp).contiguous() if mask is not None else None
+    diagonal = n_comp + n_win - q_len if is_causal else None
+    regular = mask is None or q_len == 1 or is_regular(mask, comp, key_bias, diagonal)
+    if softcap is None and regular and layer.is_plain:
+        first_causal_rows = min(max(q_len - n_win, 0), q_len) if is_causal else 0
+        out_c, lse_c = _compressed_fast(layer, query, key_bias, first_causal_rows, scale)
+    else:
+        if not regular:
+            warn_once(logger, "flashquant: a mask that is not causal + padding takes the slower exact torch path")
+        if softcap is not None and query.is_cuda:
+            warn_once(logger, "flashquant: soft-capped attention (Gemma-2) dequantizes the compressed part in "
+                      "torch every step; the fused kernels do not soft-cap")
+        if mask is not None:
+            block = as_bias(mask[:, :, comp]).expand(batch, q_len, n_comp)
+        else:
+            block = torch.zeros((batch, q_len, n_comp), device=dev)
+            if diagonal is not None and q_len > 1:
+                block = block.masked_fill(~causal_visible(q_len, n_comp, diagonal, dev), float("-inf"))
+        out_c, lse_c = _compressed_torch(layer, query, block, scale, softcap)
+
+    # Exact parts: sinks at positions [0, S), window at [S + Nc, total).
+    parts = []
+    if n_sink:
+        parts.append((*layer.sink_states(), slice(0, n_sink), total - q_len))
+    if n_win:
+        parts.append((*layer.window.views(), slice(n_sink + n_comp, total), n_win - q_len))
+    if not parts:
+        finite = torch.isfinite(lse_c).unsqueeze(-1)
+        out = torch.where(finite, out_c, 0)
+        return to_model_layout(out, query.dtype)
+    keys = torch.cat([p[0] for p in parts], dim=2) if len(parts) > 1 else parts[0][0]
+    values = torch.cat([p[1] for p in parts], dim=2) if len(parts) > 1 else parts[0][1]
+    if mask is not None:
+        exact_bias = as_bias(torch.cat([mask[:, :, p[2]] for p in parts], dim=-1)).expand(batch, q_len, -1)
+    elif all_visible:
+        exact_bias = None
+    else:
+        visible = torch.cat([causal_visible(q_len, p[0].shape[2], p[3], dev) for p in parts], dim=-1)
+        exact_bias = bias_from(visible)[None]
+    out_e, lse_e = exact_attention(query, keys, values, exact_bias, scale, softcap)
+
+    stacked_out, stacked_lse = torch.stack([out_c, out_e]), torch.stack([lse_c, lse_e])
+    out, _ = ops.merge_partials(stacked_out, stacked_lse, backend=layer.backend)
+    return to_model_layout(out, query.dtype)
