@@ -1,30 +1,28 @@
-// Split-K FlashDecoding over a TQ4-compressed KV cache (paged store or contiguous per-layer layout).
+// Split-K FlashDecoding over a TurboQuant-compressed KV cache (paged store or contiguous per-layer layout), for key
+// and value codes of 1 to 4 bits each (decode_codes.cuh: loads, tables and lookups per width).
 //
 // One CTA (4 or 8 warps) serves up to 8 query heads (4 in the paired build) of one KV head for one key range
 // ("split") of one sequence, so the K/V bytes are read once under GQA. Both products run on tensor cores
 // (mma.sync m16n8k16, fp32 accumulate):
 //
-//   S^T = K Q^T   A = 16 keys x 16 dims built from packed nibbles, B = Q^T (8 columns: head slots, or (head, half)
-//                 pairs in the paired build), C = keys x columns
-//   O^T = V^T P^T A = 16 dims x 16 keys built from packed nibbles, B = P^T (after one movmatrix transpose)
+//   S^T = K Q^T   A = 16 keys x 16 dims of centroid pairs looked up from the codes, B = Q^T (8 columns: head slots,
+//                 or (head, half) pairs in the paired build), C = keys x columns
+//   O^T = V^T P^T A = 16 dims x 16 keys of centroid pairs, B = P^T (after one movmatrix transpose)
 //
 // The contraction dimension of an mma may be permuted freely as long as A and B agree. The kernel uses this
-// twice so that every A register is one table lookup of one byte:
-//   * QK: k-step kk of lane (g, t) takes bytes 2kk and 2kk+1 of the lane's quarter of a key row (bytes
-//     t*D/8 ..); byte b holds dims 2b (high nibble) and 2b+1, so the lane's Q^T fragment is the contiguous
-//     dims t*D/4 + 4kk + {0,1} and {2,3} of head g.
-//   * PV: output row g of m-tile m is dim (D/8)g + 2m (high nibble of byte (D/16)g + m), row g+8 is the next
-//     dim (low nibble). The two keys of one A register (columns 2t, 2t+1; key_row says which keys those are) are
-//     merged into one byte (high nibbles of both, or low nibbles of both) with one logic op each, then looked up
-//     like a key byte.
+// twice so that every A register is one table lookup (decode_codes.cuh):
+//   * QK: k-step kk of lane (g, t) takes dims 4kk .. 4kk + 3 of the lane's quarter of a key row (dims t*D/4 ..),
+//     so the lane's Q^T fragment is the contiguous dims t*D/4 + 4kk + {0,1} and {2,3} of head g.
+//   * PV: output row g of m-tile m is dim (D/8)g + 2m of the lane's eighth of a value row, row g+8 the next dim.
+//     The two keys of one A register (columns 2t, 2t+1; key_row says which keys those are) have the codes of their
+//     dims merged with one logic op per word, so a lookup returns one dim of both keys.
 // Paired build (FQD_HEAD_SLOTS=4, GQA <= 4): the 8 mma columns are (head, half) pairs. QK splits its contraction
 // into two halves whose partial scores land in the two columns of a head (B is zero where they differ); PV's 16
 // contraction rows are 8 keys twice, pairing each with a different half of the output dims, so one mma covers
 // 8 keys x 32 dims x 4 heads. No head slot is idle, each lane scores one head, and O^T needs 16 accumulator
 // registers instead of 32 at D = 128 (see accumulate_pv).
-// The table maps a byte to the packed pair (centroid[high nibble] in the low half, centroid[low nibble] in the
-// high half), in the mma element type, with one copy per lane (K and V tables interleaved, entry e of lane l at
-// e*256 + tab*128 + l*4, see Lut) so lookups never conflict and one PRMT builds a lookup's address.
+// The tables map codes to centroid pairs in the mma element type, with one copy per lane (K and V tables
+// interleaved, see decode_codes.cuh), so lookups never conflict.
 //
 // Softmax runs in the log2 domain (log2(e) folded into the scale); norms scale the scores per key after the
 // mma and P (not the denominator) is multiplied by the value norms before the transpose. The column maxima are
@@ -34,7 +32,8 @@
 // Template parameters: D head dim (64/128/256), QK query dtype (0 fp16 -> fp16 mma, 1 bf16, 2 fp32 -> bf16 mma),
 // MODE 0 contiguous, 1 contiguous + key_bias, 2 paged (paged and contiguous differ only in address computation),
 // W warps per CTA: 4 (two 16-key tiles per warp iteration, 168 registers, 3 CTAs per SM) or 8 (D <= 128 only: one
-// tile per iteration in <= 128 registers, 2 CTAs x 8 warps per SM sharing one pair of tables per CTA).
+// tile per iteration in <= 128 registers, 2 CTAs x 8 warps per SM sharing one pair of tables per CTA), KB / VB the
+// bits of the key and value codes (1 to 4).
 //
 // Build switches (NVRTC -D options; kernels/decode_launch.py build_options picks them per launch):
 //   FQD_HEAD_SLOTS     8 (default), 4   query heads per CTA; 4 for GQA groups of at most 4 heads (the paired build)
@@ -42,23 +41,19 @@
 //                                       is constant shifts; the contiguous modes ignore it
 //   FQD_TMA_TILES      0 (default), 1   staged tiles: paged blocks of 16 keys, 8 warps, compute capability 9.x
 
+#include "decode_codes.cuh"
 #include "grid_dependency.cuh"
 #include "tile_copy.cuh"
 
 namespace fqd {
 
-typedef unsigned int u32;
-
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kLutBytes = 256 * 32 * 4;  // one byte->pair table, one 4-byte copy per lane
 // The table block sits at the fixed shared-window address kLutWindow (the 1 KB the driver reserves per CTA ends
 // there), so a lookup's LDS takes that address as its immediate ([R + 0x400]) instead of adding a base register.
 // The block starts kLutWindow - (window address of smem) bytes into the dynamic allocation, which has kLutSlack
 // bytes of room for that.
-constexpr unsigned int kLutWindow = 0x400;
 constexpr int kLutSlack = 1024;
-constexpr int kPagesOffset = kLutSlack + 2 * kLutBytes;
 
 enum { kQHalf = 0, kQBf16 = 1, kQFloat = 2 };
 enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
@@ -95,17 +90,29 @@ constexpr float kRescaleSlack = 8.f;
 
 enum { kPartK = 1, kPartV = 2, kPartKV = 3 };  // which half of a tile a load fetches
 
-template <int D, int W = 4>
+template <int D_, int W, int KB, int VB>
 struct Traits {
+  static constexpr int D = D_;
   static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
   static_assert(W == 4 || (W == 8 && D <= 128), "4 warps, or 8 warps for head_dim <= 128");
+  using KeyCode = Code<KB, D>;
+  using ValueCode = Code<VB, D>;
+  static constexpr int kKeyBits = KB;
+  static constexpr int kValueBits = VB;
   static constexpr int kWarps = W;
   static constexpr int kThreads = 32 * W;
-  static constexpr int kSteps = D / 16;    // k-steps of S^T = K Q^T
-  static constexpr int kKBytes = D / 8;    // bytes of a key row held by one lane (a quarter of D/2)
-  static constexpr int kVBytes = D / 16;   // bytes of a value row held by one lane (an eighth of D/2)
-  static constexpr int kKWords = kKBytes / 4;
-  static constexpr int kVWords = kVBytes / 4;
+  static constexpr int kSteps = D / 16;                     // k-steps of S^T = K Q^T
+  static constexpr int kKRow = KeyCode::kRowBytes;          // bytes of a packed key / value row
+  static constexpr int kVRow = ValueCode::kRowBytes;
+  static constexpr int kKBytes = KeyCode::kKeyBytes;        // bytes of a key row held by one lane (a quarter)
+  static constexpr int kVBytes = ValueCode::kValueBytes;    // bytes of a value row held by one lane (an eighth)
+  static constexpr int kKWords = KeyCode::kKeyWords;
+  static constexpr int kVWords = ValueCode::kValueWords;
+  static constexpr int kTokenBytes = kKRow + kVRow + 8;     // one token of one head: codes and fp32 norms
+  // The table block: entries at a 256-byte stride, K and V interleaved (decode_codes.cuh).
+  static constexpr int kLutBlock = 256 * (KeyCode::kEntries > ValueCode::kEntries ? KeyCode::kEntries
+                                                                                   : ValueCode::kEntries);
+  static constexpr int kPagesOffset = kLutSlack + kLutBlock;
   // 16-key tiles per warp iteration: 2 need ~168 registers (D = 256: spills), so 8-warp CTAs take 1.
   static constexpr int kTiles = (D == 256 || W == 8) ? 1 : 2;
   static constexpr int kChunk = 16 * kTiles;
@@ -119,7 +126,6 @@ struct Traits {
   static constexpr int kScores = 2 * kCols;
   static constexpr int kPVTiles = kPairs ? D / 32 : D / 16;
   static_assert(kHeadSlots == 4 || kHeadSlots == 8, "4 or 8 head slots");
-  static_assert(kVWords >= 1 && kKWords >= 2, "lane slices are whole words");
 };
 
 // NVRTC has no <math.h>: +inf from its bit pattern.
@@ -135,18 +141,6 @@ __device__ __forceinline__ float lg2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
-}
-
-// Two floats -> one register of the mma element type, `lo` in the low half (the lower k / n index).
-template <bool F16>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-  u32 r;
-  if constexpr (F16) {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  } else {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  }
-  return r;
 }
 
 template <bool F16>
@@ -171,28 +165,6 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {
   return y;
 }
 
-// Streaming loads: every byte is read once, so keep it out of L1.
-template <int NW>
-__device__ __forceinline__ void load_words(u32 (&w)[NW], const unsigned char* p) {
-  if constexpr (NW == 1) {
-    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
-  } else if constexpr (NW == 2) {
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
-  } else if constexpr (NW == 4) {
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                 : "l"(p));
-  } else {
-    static_assert(NW == 8, "1, 2, 4 or 8 words");
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                 : "l"(p));
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(w[4]), "=r"(w[5]), "=r"(w[6]), "=r"(w[7])
-                 : "l"(p + 16));
-  }
-}
-
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
@@ -202,13 +174,6 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, u32 bytes) {
 #if __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #endif
-}
-
-// (a & mask) | (b & ~mask) in one LOP3 (ptxas emits two when the masks are written as separate constants).
-__device__ __forceinline__ u32 select_bits(u32 a, u32 b, u32 mask) {
-  u32 r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(mask));
-  return r;
 }
 
 __device__ __forceinline__ float load_f32(const float* p) {
@@ -254,48 +219,48 @@ __device__ __forceinline__ void load_query4(float (&x)[4], const void* q, long l
   }
 }
 
-// This lane's view of the two byte->pair tables. Entry e of table `tab` (0 K, 1 V) for lane l lives at byte
-// e * 256 + tab * 128 + l * 4 of the table block (bank = lane, no conflicts), so the offset of an entry is the
-// lane's constant (l * 4 + tab * 128, byte 0) with the entry in byte 1: one PRMT builds it from the packed word,
-// and the block's fixed shared-window address (kLutWindow) is the LDS immediate. A lookup costs 1 ALU + 1 LDS
-// (a byte extract and a base register would add an IMAD and an IMAD.IADD per lookup).
-struct Lut {
-  u32 lane;  // l * 4 + tab * 128
-
-  __device__ __forceinline__ Lut(int lane_id, int tab) : lane(static_cast<u32>(lane_id) * 4u + tab * 128u) {}
-
-  template <int K>
-  __device__ __forceinline__ u32 get(u32 w) const {
-    u32 value;
-    // volatile: LLVM must not sink the load past the barrier before the merge reuses this memory.
-    asm volatile("ld.shared.u32 %0, [%1+%2];"
-                 : "=r"(value)
-                 : "r"(__byte_perm(w, lane, 0x7604u | (K << 4))), "n"(kLutWindow));
-    return value;
-  }
-};
-
-// Byte -> centroid-pair tables for K (fp16) and V (PV type), interleaved (see Lut) and replicated per lane
-// (a 16-byte store fills 4 lanes' copies), at the fixed window address kLutWindow. Lane l holds centroid l (keys)
-// or l - 16 (values) and the entries come from shuffles: one global load per lane instead of two per entry.
-template <bool F16PV, int kThreads>
+// Code -> centroid-pair tables for K (fp16) and V (PV type), interleaved and replicated per lane (a 16-byte store
+// fills the copies of 4 lanes, or 2 for 8-byte entries), at the fixed window address kLutWindow (decode_codes.cuh).
+// Lane l holds centroid l (keys) or l - 16 (values) and the entries come from shuffles: one global load per lane
+// instead of several per entry.
+template <class T, bool F16PV>
 __device__ __forceinline__ void build_tables(unsigned char* smem, float centroid) {
   const u32 window = static_cast<u32>(__cvta_generic_to_shared(smem)) & 0xFFFFFFu;
   if (window > kLutWindow) __trap();  // the reserved area grew beyond kLutSlack: never seen (sm_80, sm_90: 1 KB)
   unsigned char* const table = smem + (kLutWindow - window);
-  // Each thread forms one (table, entry) value from two shuffles and stores its 8 16-byte copies (4 lanes' each),
-  // starting at copy (thread & 7) so the 8 lanes of a store phase cover all banks (two shuffles per stored value
-  // rather than per 16-byte store).
+  // Each thread forms one (table, entry) value from shuffles and stores its 8 16-byte copies, starting at copy
+  // (thread & 7) so the 8 lanes of a store phase cover all banks (the shuffles are paid per stored value rather than
+  // per 16-byte store).
+  using K = typename T::KeyCode;
+  using V = typename T::ValueCode;
+  constexpr int kEntries = T::kLutBlock / 256;
   const int rot = threadIdx.x & 7;
-  for (int i = threadIdx.x; i < 2 * 256; i += kThreads) {
+  for (int i = threadIdx.x; i < 2 * kEntries; i += T::kThreads) {
     // i advances by whole warps, so the warp is converged at the shuffles.
-    const int tab = i >> 8, e = i & 255;
-    const float hi = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e >> 4));
-    const float lo = __shfl_sync(0xffffffffu, centroid, tab * 16 + (e & 15));
-    const u32 val = tab ? pack2<F16PV>(hi, lo) : pack2<true>(hi, lo);
+    const int tab = i / kEntries, e = i - tab * kEntries;
+    const int bits = K::kBits == V::kBits ? K::kBits : (tab ? V::kBits : K::kBits);
+    const int entries = K::kEntries == V::kEntries ? kEntries : (tab ? V::kEntries : K::kEntries);
+    const int idx = e & (entries - 1);
+    // The indices an entry pairs (decode_codes.cuh): two of `bits` bits from the top of idx, and for the 8-byte entries
+    // of 1- and 2-bit codes two more below them.
+    const int step = bits <= 2 ? 3 * bits : bits;
+    const int mask = (1 << bits) - 1;
+    const float c0 = __shfl_sync(0xffffffffu, centroid, tab * 16 + ((idx >> step) & mask));
+    const float c1 = __shfl_sync(0xffffffffu, centroid, tab * 16 + ((idx >> (step - bits)) & mask));
+    uint4 copies;
+    const u32 lo = tab ? pack2<F16PV>(c0, c1) : pack2<true>(c0, c1);
+    if constexpr (K::kWide || V::kWide) {
+      const float c2 = __shfl_sync(0xffffffffu, centroid, tab * 16 + ((idx >> bits) & mask));
+      const float c3 = __shfl_sync(0xffffffffu, centroid, tab * 16 + (idx & mask));
+      const u32 hi = tab ? pack2<F16PV>(c2, c3) : pack2<true>(c2, c3);
+      copies = bits <= 2 ? make_uint4(lo, hi, lo, hi) : make_uint4(lo, lo, lo, lo);
+    } else {
+      copies = make_uint4(lo, lo, lo, lo);
+    }
+    if (e >= entries) continue;
     unsigned char* const row = table + e * 256 + tab * 128;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) *reinterpret_cast<uint4*>(row + ((rot + k) & 7) * 16) = make_uint4(val, val, val, val);
+    for (int k = 0; k < 8; ++k) *reinterpret_cast<uint4*>(row + ((rot + k) & 7) * 16) = copies;
   }
 }
 
@@ -321,10 +286,10 @@ __device__ __forceinline__ int value_row(int i, int t) {
 }
 
 // Registers of one 16-key tile for lane (g, t).
-template <int D>
+template <class T>
 struct Tile {
-  u32 k[2][Traits<D>::kKWords];  // keys key_row(g), key_row(g) + 8: bytes t*D/8 ..
-  u32 v[4][Traits<D>::kVWords];  // values value_row(0..3, t): bytes g*D/16 ..
+  u32 k[2][T::kKWords];          // keys key_row(g), key_row(g) + 8: the lane's quarter (dims t*D/4 ..)
+  u32 v[4][T::kVWords];          // values value_row(0..3, t): the lane's eighth (dims g*D/8 ..)
   float kn[2];                   // key norms of keys key_row(g), key_row(g) + 8
   float vn[2];                   // value norms of the same keys (they scale P's rows g, g+8)
   float bias[2];                 // key_bias of the same keys (MODE 1)
@@ -340,14 +305,15 @@ __device__ __forceinline__ const unsigned char* at(const unsigned char* base, u3
 
 // Where the bytes of one (sequence, KV head) live; the only place the two layouts differ.
 // Contiguous: one base per tensor plus byte strides between keys.
-// Paged: [block][kv head][K idx bs*D/2 | K norm bs*4 | V idx bs*D/2 | V norm bs*4]; the split's block-table
+// Paged: [block][kv head][K idx bs*kKRow | K norm bs*4 | V idx bs*kVRow | V norm bs*4]; the split's block-table
 // slice sits in shared memory and pages are found with shifts.
-// The K base already points at the lane's quarter of a row (t*D/8), the V base at its eighth (g*D/16). Paged bases
+// The K base already points at the lane's quarter of a row, the V base at its eighth. Paged bases
 // also hold the lane's rows in a tile (key_row(g) for K and both norms, value_row(0, t) for V), so a whole tile of a
 // 16-key block costs one page lookup, one wide multiply and four 64-bit adds (at 128 registers ptxas would rederive
 // the tile's rows from %tid at every tile otherwise). STAGED: the key order of staged tiles (see key_row).
-template <int D, int MODE, bool STAGED>
+template <class T, int MODE, bool STAGED>
 struct KVAddress {
+  static constexpr int kKRow = T::kKRow, kVRow = T::kVRow;
   const unsigned char* k;   // contiguous: sequence base; paged: this head's K section in block 0 (+ lane offsets)
   const unsigned char* v;
   const unsigned char* kn;
@@ -364,13 +330,20 @@ struct KVAddress {
     const unsigned char *k, *v, *kn, *vn;
   };
   __device__ __forceinline__ Sections section_starts(int kr, int v0) const {
-    return {k - kr * (D / 2), v - v0 * (D / 2), kn - kr * 4, vn - kr * 4};
+    return {k - kr * kKRow, v - v0 * kVRow, kn - kr * 4, vn - kr * 4};
+  }
+
+  __device__ __forceinline__ static void load_key(u32 (&w)[T::kKWords], const unsigned char* p) {
+    load_bytes<T::kKBytes, T::KeyCode::kKeyAlign>(w, p);
+  }
+  __device__ __forceinline__ static void load_value(u32 (&w)[T::kVWords], const unsigned char* p) {
+    load_bytes<T::kVBytes, T::ValueCode::kValueAlign>(w, p);
   }
 
   // Loads the lane's slice of the tile starting at key ts (its keys and key norms / bias for PART kPartK, its
   // values and value norms for kPartV); keys past `last` are clamped to it (masked later).
   template <int PART>
-  __device__ __forceinline__ void load(Tile<D>& tile, int ts, int last) const {
+  __device__ __forceinline__ void load(Tile<T>& tile, int ts, int last) const {
     const int lane = threadIdx.x & 31, kr = key_row<STAGED>(lane >> 2), t = lane & 3;
     // value rows: v0, v0 + dv1, v0 + 8, v0 + dv1 + 8
     const int v0 = value_row<STAGED>(0, t), dv1 = value_row<STAGED>(1, t) - v0;
@@ -389,15 +362,15 @@ struct KVAddress {
           knp = at(kn, page, page_stride), vnp = at(vn, page, page_stride);
         } else {
           const u32 r = static_cast<u32>(ts) & ((1u << log2_bs) - 1u);
-          kp = at(k + r * (D / 2), page, page_stride), vp = at(v + r * (D / 2), page, page_stride);
+          kp = at(k + r * kKRow, page, page_stride), vp = at(v + r * kVRow, page, page_stride);
           knp = at(kn + r * 4, page, page_stride), vnp = at(vn + r * 4, page, page_stride);
         }
-        if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], kp);
-        if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], kp + 8 * (D / 2));
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], vp);
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], vp + dv1 * (D / 2));
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], vp + 8 * (D / 2));
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], vp + (dv1 + 8) * (D / 2));
+        if constexpr ((PART & kPartK) != 0) load_key(tile.k[0], kp);
+        if constexpr ((PART & kPartK) != 0) load_key(tile.k[1], kp + 8 * kKRow);
+        if constexpr ((PART & kPartV) != 0) load_value(tile.v[0], vp);
+        if constexpr ((PART & kPartV) != 0) load_value(tile.v[1], vp + dv1 * kVRow);
+        if constexpr ((PART & kPartV) != 0) load_value(tile.v[2], vp + 8 * kVRow);
+        if constexpr ((PART & kPartV) != 0) load_value(tile.v[3], vp + (dv1 + 8) * kVRow);
         if constexpr ((PART & kPartK) != 0) tile.kn[0] = load_f32(reinterpret_cast<const float*>(knp));
         if constexpr ((PART & kPartK) != 0) tile.kn[1] = load_f32(reinterpret_cast<const float*>(knp + 32));
         if constexpr ((PART & kPartV) != 0) tile.vn[0] = load_f32(reinterpret_cast<const float*>(vnp));
@@ -417,12 +390,12 @@ struct KVAddress {
       const unsigned char* kn_hi = at(kn, phi, page_stride);
       const unsigned char* vn_lo = at(vn, plo, page_stride);
       const unsigned char* vn_hi = at(vn, phi, page_stride);
-      if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], at(k_lo, rk0 & mask, D / 2));
-      if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], at(k_hi, rk1 & mask, D / 2));
-      if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], at(v_lo, rv0 & mask, D / 2));
-      if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], at(v_lo, rv1 & mask, D / 2));
-      if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], at(v_hi, rv2 & mask, D / 2));
-      if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], at(v_hi, rv3 & mask, D / 2));
+      if constexpr ((PART & kPartK) != 0) load_key(tile.k[0], at(k_lo, rk0 & mask, kKRow));
+      if constexpr ((PART & kPartK) != 0) load_key(tile.k[1], at(k_hi, rk1 & mask, kKRow));
+      if constexpr ((PART & kPartV) != 0) load_value(tile.v[0], at(v_lo, rv0 & mask, kVRow));
+      if constexpr ((PART & kPartV) != 0) load_value(tile.v[1], at(v_lo, rv1 & mask, kVRow));
+      if constexpr ((PART & kPartV) != 0) load_value(tile.v[2], at(v_hi, rv2 & mask, kVRow));
+      if constexpr ((PART & kPartV) != 0) load_value(tile.v[3], at(v_hi, rv3 & mask, kVRow));
       if constexpr ((PART & kPartK) != 0) tile.kn[0] = load_f32(reinterpret_cast<const float*>(at(kn_lo, rk0 & mask, 4)));
       if constexpr ((PART & kPartK) != 0) tile.kn[1] = load_f32(reinterpret_cast<const float*>(at(kn_hi, rk1 & mask, 4)));
       if constexpr ((PART & kPartV) != 0) tile.vn[0] = load_f32(reinterpret_cast<const float*>(at(vn_lo, rk0 & mask, 4)));
@@ -432,12 +405,12 @@ struct KVAddress {
         const u32 r = static_cast<u32>(ts);
         const unsigned char* kp = at(k, r + kr, k_sn);
         const unsigned char* vp = at(v, r + v0, v_sn);
-        if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], kp);
-        if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], at(kp, 8u, k_sn));
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], vp);
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], at(vp, dv1, v_sn));
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], at(vp, 8u, v_sn));
-        if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], at(vp, dv1 + 8u, v_sn));
+        if constexpr ((PART & kPartK) != 0) load_key(tile.k[0], kp);
+        if constexpr ((PART & kPartK) != 0) load_key(tile.k[1], at(kp, 8u, k_sn));
+        if constexpr ((PART & kPartV) != 0) load_value(tile.v[0], vp);
+        if constexpr ((PART & kPartV) != 0) load_value(tile.v[1], at(vp, dv1, v_sn));
+        if constexpr ((PART & kPartV) != 0) load_value(tile.v[2], at(vp, 8u, v_sn));
+        if constexpr ((PART & kPartV) != 0) load_value(tile.v[3], at(vp, dv1 + 8u, v_sn));
         const unsigned char* knp = at(kn, r + kr, kn_sn);
         const unsigned char* vnp = at(vn, r + kr, vn_sn);
         if constexpr ((PART & kPartK) != 0) tile.kn[0] = load_f32(reinterpret_cast<const float*>(knp));
@@ -451,12 +424,12 @@ struct KVAddress {
         }
         return;
       }
-      if constexpr ((PART & kPartK) != 0) load_words(tile.k[0], at(k, rk0, k_sn));
-      if constexpr ((PART & kPartK) != 0) load_words(tile.k[1], at(k, rk1, k_sn));
-      if constexpr ((PART & kPartV) != 0) load_words(tile.v[0], at(v, rv0, v_sn));
-      if constexpr ((PART & kPartV) != 0) load_words(tile.v[1], at(v, rv1, v_sn));
-      if constexpr ((PART & kPartV) != 0) load_words(tile.v[2], at(v, rv2, v_sn));
-      if constexpr ((PART & kPartV) != 0) load_words(tile.v[3], at(v, rv3, v_sn));
+      if constexpr ((PART & kPartK) != 0) load_key(tile.k[0], at(k, rk0, k_sn));
+      if constexpr ((PART & kPartK) != 0) load_key(tile.k[1], at(k, rk1, k_sn));
+      if constexpr ((PART & kPartV) != 0) load_value(tile.v[0], at(v, rv0, v_sn));
+      if constexpr ((PART & kPartV) != 0) load_value(tile.v[1], at(v, rv1, v_sn));
+      if constexpr ((PART & kPartV) != 0) load_value(tile.v[2], at(v, rv2, v_sn));
+      if constexpr ((PART & kPartV) != 0) load_value(tile.v[3], at(v, rv3, v_sn));
       if constexpr ((PART & kPartK) != 0) tile.kn[0] = load_f32(reinterpret_cast<const float*>(at(kn, rk0, kn_sn)));
       if constexpr ((PART & kPartK) != 0) tile.kn[1] = load_f32(reinterpret_cast<const float*>(at(kn, rk1, kn_sn)));
       if constexpr ((PART & kPartV) != 0) tile.vn[0] = load_f32(reinterpret_cast<const float*>(at(vn, rk0, vn_sn)));
@@ -483,7 +456,7 @@ struct KVAddress {
           const int ts = ts0 + 16 * j;
           if (ts + 15 > last) break;
           const u32 page = pages[(ts >> 4) - page0];
-          if (lane == 0) prefetch_l2_bulk(at(k, page, page_stride), (D + 8) << 4);
+          if (lane == 0) prefetch_l2_bulk(at(k, page, page_stride), T::kTokenBytes << 4);
         }
         return;
       }
@@ -492,12 +465,12 @@ struct KVAddress {
       for (int ts = ts0; ts < ts0 + kRows && ts + 15 <= last; ts += 16) {
         if (log2_bs < 4) {
           for (int n = ts; n < ts + 16; n += 1 << log2_bs)
-            prefetch_l2_bulk(at(k, pages[(n >> log2_bs) - page0], page_stride), (D + 8) << log2_bs);
+            prefetch_l2_bulk(at(k, pages[(n >> log2_bs) - page0], page_stride), T::kTokenBytes << log2_bs);
         } else {
           const u32 page = pages[(ts >> log2_bs) - page0];
           const u32 r = static_cast<u32>(ts) & ((1u << log2_bs) - 1u);
-          prefetch_l2_bulk(at(at(k, page, page_stride), r, D / 2), 16 * (D / 2));
-          prefetch_l2_bulk(at(at(v, page, page_stride), r, D / 2), 16 * (D / 2));
+          prefetch_l2_bulk(at(at(k, page, page_stride), r, kKRow), 16 * kKRow);
+          prefetch_l2_bulk(at(at(v, page, page_stride), r, kVRow), 16 * kVRow);
           prefetch_l2_bulk(at(at(kn, page, page_stride), r, 4), 64);
           prefetch_l2_bulk(at(at(vn, page, page_stride), r, 4), 64);
         }
@@ -511,8 +484,8 @@ struct KVAddress {
       const auto [k, v, kn, vn] = section_starts(key_row<STAGED>(lane >> 2), value_row<STAGED>(0, lane & 3));
       const u32 page = pages[(n >> log2_bs) - page0];
       const u32 r = static_cast<u32>(n) & ((1u << log2_bs) - 1u);
-      prefetch_l2(at(at(k, page, page_stride), r, D / 2));
-      prefetch_l2(at(at(v, page, page_stride), r, D / 2));
+      prefetch_l2(at(at(k, page, page_stride), r, kKRow));
+      prefetch_l2(at(at(v, page, page_stride), r, kVRow));
       prefetch_l2(at(at(kn, page, page_stride), r, 4));
       prefetch_l2(at(at(vn, page, page_stride), r, 4));
     } else {
@@ -524,28 +497,10 @@ struct KVAddress {
   }
 };
 
-// Shared-memory words of a 16-key tile staged by bulk_copy (the block's bytes as in global memory).
-template <int NW>
-__device__ __forceinline__ void load_shared_words(u32 (&w)[NW], const unsigned char* p) {
-  if constexpr (NW == 1) {
-    w[0] = *reinterpret_cast<const u32*>(p);
-  } else if constexpr (NW == 2) {
-    const uint2 x = *reinterpret_cast<const uint2*>(p);
-    w[0] = x.x, w[1] = x.y;
-  } else {
-#pragma unroll
-    for (int i = 0; i < NW; i += 4) {
-      const uint4 x = *reinterpret_cast<const uint4*>(p + 4 * i);
-      w[i] = x.x, w[i + 1] = x.y, w[i + 2] = x.z, w[i + 3] = x.w;
-    }
-  }
-}
-
 // The lane's slice of the tile starting at key ts from its staged block (16 keys: [K idx | K norm | V idx | V norm]),
 // the same registers KVAddress::load fills; rows past `last` (a split's last tile) are clamped to it.
-template <int D>
-__device__ __forceinline__ void load_staged(Tile<D>& tile, const unsigned char* stage, int ts, int last) {
-  using T = Traits<D>;
+template <class T>
+__device__ __forceinline__ void load_staged(Tile<T>& tile, const unsigned char* stage, int ts, int last) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   int rk[2] = {key_row<true>(g), key_row<true>(g) + 8};
   int rv[4] = {value_row<true>(0, t), value_row<true>(1, t), value_row<true>(2, t), value_row<true>(3, t)};
@@ -553,25 +508,27 @@ __device__ __forceinline__ void load_staged(Tile<D>& tile, const unsigned char* 
     for (int i = 0; i < 2; ++i) rk[i] = min(rk[i], last - ts);
     for (int i = 0; i < 4; ++i) rv[i] = min(rv[i], last - ts);
   }
-  const unsigned char* const kn = stage + 16 * (D / 2);
+  const unsigned char* const kn = stage + 16 * T::kKRow;
   const unsigned char* const v = kn + 16 * 4;
-  const unsigned char* const vn = v + 16 * (D / 2);
+  const unsigned char* const vn = v + 16 * T::kVRow;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    load_shared_words(tile.k[i], stage + rk[i] * (D / 2) + t * T::kKBytes);
+    load_shared_bytes<T::kKBytes, T::KeyCode::kKeyAlign>(tile.k[i], stage + rk[i] * T::kKRow + t * T::kKBytes);
     tile.kn[i] = *reinterpret_cast<const float*>(kn + rk[i] * 4);
     tile.vn[i] = *reinterpret_cast<const float*>(vn + rk[i] * 4);
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) load_shared_words(tile.v[i], v + rv[i] * (D / 2) + g * T::kVBytes);
+  for (int i = 0; i < 4; ++i) {
+    load_shared_bytes<T::kVBytes, T::ValueCode::kValueAlign>(tile.v[i], v + rv[i] * T::kVRow + g * T::kVBytes);
+  }
 }
 
 // Per-warp online-softmax state for the lane's head columns (8 slots: heads 2t, 2t+1; 4 slots: head t) plus the O^T
 // accumulators. Accumulator e of an m-tile belongs to column e % kCols.
-template <int D>
+template <class T>
 struct WarpState {
-  static constexpr int kCols = Traits<D>::kCols;
-  float acc[Traits<D>::kPVTiles][4];  // O^T. 8 slots: rows dims (D/8)g+2m (+1 for [2],[3]), cols heads 2t, 2t+1;
+  static constexpr int kCols = T::kCols;
+  float acc[T::kPVTiles][4];  // O^T. 8 slots: rows dims (D/8)g+2m (+1 for [2],[3]), cols heads 2t, 2t+1;
                                       // 4 slots: head t, dims (D/8)g + 4m + {0, 2, 1, 3}
   float mu[kCols];                    // the value subtracted before exp2: the running max at the last rescale
                                       // (log2 domain, uniform over g; later scores may exceed it by kRescaleSlack),
@@ -591,37 +548,24 @@ struct WarpState {
 //   accumulate_pv  l += P, O^T += V^T (P * value norms)^T on tensor cores
 // The stages run one after the other: interleaving accumulate_pv of one chunk with tile_scores of the next in one
 // basic block (so their lookup -> mma chains overlap) is slower.
-template <int D, int W, int MODE>
-__device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][Traits<D>::kScores],
-                                            const Tile<D> (&tiles)[Traits<D, W>::kTiles],
-                                            const u32 (&qf)[Traits<D>::kSteps][2], const Lut& lut_k, int ts0,
-                                            int end, float scale_log2, int kr, const float (&mu)[Traits<D>::kCols]) {
-  using T = Traits<D, W>;
-  constexpr int kCols = Traits<D>::kCols, kScores = Traits<D>::kScores;
+template <class T, int MODE>
+__device__ __forceinline__ void tile_scores(float (&s)[T::kTiles][T::kScores], const Tile<T> (&tiles)[T::kTiles],
+                                            const u32 (&qf)[T::kSteps][2], const Lut& lut_k, int ts0, int end,
+                                            float scale_log2, int kr, const float (&mu)[T::kCols]) {
+  constexpr int kCols = T::kCols, kScores = T::kScores;
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
     // kQKChains accumulators (k-steps round-robin) shorten the dependent mma chain: 2 with 4 head slots, whose
     // freed accumulator registers pay for the second chain, 1 with 8 (where the registers are the limit).
-    constexpr int kQKChains = Traits<D>::kPairs ? 2 : 1;
+    constexpr int kQKChains = T::kPairs ? 2 : 1;
     float acc_qk[kQKChains][4];
 #pragma unroll
     for (int a = 0; a < kQKChains; ++a) acc_qk[a][0] = acc_qk[a][1] = acc_qk[a][2] = acc_qk[a][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < T::kSteps; ++kk) {
-      const u32 w0 = tiles[j].k[0][kk >> 1];
-      const u32 w1 = tiles[j].k[1][kk >> 1];
-      u32 a0, a1, a2, a3;
-      if (kk & 1) {
-        a0 = lut_k.get<2>(w0);
-        a1 = lut_k.get<2>(w1);
-        a2 = lut_k.get<3>(w0);
-        a3 = lut_k.get<3>(w1);
-      } else {
-        a0 = lut_k.get<0>(w0);
-        a1 = lut_k.get<0>(w1);
-        a2 = lut_k.get<1>(w0);
-        a3 = lut_k.get<1>(w1);
-      }
+      u32 a0, a1, a2, a3;  // rows g / g + 8 (keys kr, kr + 8) x dims 4kk + {0, 1} / {2, 3} of the lane's quarter
+      key_operands<T::kKeyBits, T::D>(lut_k, tiles[j].k[0], kk, a0, a2);
+      key_operands<T::kKeyBits, T::D>(lut_k, tiles[j].k[1], kk, a1, a3);
       mma16816<true>(acc_qk[kk % kQKChains], a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
     }
     float raw[4];
@@ -657,10 +601,9 @@ __device__ __forceinline__ void tile_scores(float (&s)[Traits<D, W>::kTiles][Tra
 }
 
 // s arrives as score - mu and leaves shifted by the new mu.
-template <int D, int W, bool F16PV>
-__device__ __forceinline__ void update_max(WarpState<D>& st, float (&s)[Traits<D, W>::kTiles][Traits<D>::kScores]) {
-  using T = Traits<D, W>;
-  constexpr int kCols = Traits<D>::kCols, kScores = Traits<D>::kScores;
+template <class T, bool F16PV>
+__device__ __forceinline__ void update_max(WarpState<T>& st, float (&s)[T::kTiles][T::kScores]) {
+  constexpr int kCols = T::kCols, kScores = T::kScores;
   constexpr float kSlack = F16PV ? 0.f : kRescaleSlack;
   float mx[kCols];
 #pragma unroll
@@ -698,46 +641,22 @@ __device__ __forceinline__ void update_max(WarpState<D>& st, float (&s)[Traits<D
       for (int i = 0; i < kScores; ++i) s[j][i] += d[i % kCols];
     }
 #pragma unroll
-    for (int m = 0; m < Traits<D>::kPVTiles; ++m) {
+    for (int m = 0; m < T::kPVTiles; ++m) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) st.acc[m][e] *= al[e % kCols];
     }
   }
 }
 
-// The A operand of O^T = V^T P^T for m-tile dims from the merged value words: `w` (x or y) holds, per byte, the
-// high / low nibbles of the two keys of an A register (see accumulate_pv); byte q of the lane's value slice is dims
-// 2q, 2q+1.
-template <int D>
-__device__ __forceinline__ u32 value_pair(const Lut& lut_v, const u32 (&w)[Traits<D>::kVWords], int q) {
-  switch (q & 3) {
-    case 0: return lut_v.get<0>(w[q >> 2]);
-    case 1: return lut_v.get<1>(w[q >> 2]);
-    case 2: return lut_v.get<2>(w[q >> 2]);
-    default: return lut_v.get<3>(w[q >> 2]);
-  }
-}
-
-template <int D, int W, bool F16PV>
-__device__ __forceinline__ void accumulate_pv(WarpState<D>& st,
-                                              const float (&p)[Traits<D, W>::kTiles][Traits<D>::kScores],
-                                              const Tile<D> (&tiles)[Traits<D, W>::kTiles], const Lut& lut_v,
-                                              u32 even_g) {
-  using T = Traits<D, W>;
+template <class T, bool F16PV>
+__device__ __forceinline__ void accumulate_pv(WarpState<T>& st, const float (&p)[T::kTiles][T::kScores],
+                                              const Tile<T> (&tiles)[T::kTiles], const Lut& lut_v, u32 even_g) {
 #pragma unroll
   for (int j = 0; j < T::kTiles; ++j) {
-    u32 xa[T::kVWords], ya[T::kVWords], xb[T::kVWords], yb[T::kVWords];
-#pragma unroll
-    for (int w = 0; w < T::kVWords; ++w) {
-      // byte i of x: high nibbles of the keys of columns 2t, 2t+1 (key_row); of y: their low nibbles. Same for
-      // columns 2t+8, 2t+9.
-      xa[w] = select_bits(tiles[j].v[0][w], tiles[j].v[1][w] >> 4, 0xF0F0F0F0u);
-      ya[w] = select_bits(tiles[j].v[0][w] << 4, tiles[j].v[1][w], 0xF0F0F0F0u);
-      xb[w] = select_bits(tiles[j].v[2][w], tiles[j].v[3][w] >> 4, 0xF0F0F0F0u);
-      yb[w] = select_bits(tiles[j].v[2][w] << 4, tiles[j].v[3][w], 0xF0F0F0F0u);
-    }
+    // The value codes of the keys of columns 2t, 2t+1 (key_row) merged per dim, and of columns 2t+8, 2t+9.
+    const ValueOperands<T::kValueBits, T::D> values(tiles[j].v);
     const float v0 = tiles[j].vn[0], v1 = tiles[j].vn[1];
-    if constexpr (!Traits<D>::kPairs) {
+    if constexpr (!T::kPairs) {
       const float p0 = p[j][0], p1 = p[j][1], p2 = p[j][2], p3 = p[j][3];
       st.l[0] += p0 + p2;
       st.l[1] += p1 + p3;
@@ -745,10 +664,12 @@ __device__ __forceinline__ void accumulate_pv(WarpState<D>& st,
       const u32 b0 = transpose8x8(pack2<F16PV>(p0 * v0, p1 * v0));
       const u32 b1 = transpose8x8(pack2<F16PV>(p2 * v1, p3 * v1));
 #pragma unroll
-      for (int m = 0; m < T::kPVTiles; ++m) {
-        // rows g / g+8 of m-tile m: dims (D/8)g + 2m and the next one (high / low nibbles of byte m)
-        mma16816<F16PV>(st.acc[m], value_pair<D>(lut_v, xa, m), value_pair<D>(lut_v, ya, m),
-                        value_pair<D>(lut_v, xb, m), value_pair<D>(lut_v, yb, m), b0, b1);
+      for (int q = 0; q < T::kPVTiles / 2; ++q) {
+        // m-tiles 2q and 2q + 1: rows g / g+8 of m-tile m are dims (D/8)g + 2m and the next one
+        u32 a[2][4];
+        values.operands(lut_v, q, a);
+        mma16816<F16PV>(st.acc[2 * q], a[0][0], a[0][1], a[0][2], a[0][3], b0, b1);
+        mma16816<F16PV>(st.acc[2 * q + 1], a[1][0], a[1][1], a[1][2], a[1][3], b0, b1);
       }
     } else {
       // 4 head slots: column 2h + j' of an mma is half j' of head h's output dims, and its 16 contraction rows are
@@ -764,13 +685,11 @@ __device__ __forceinline__ void accumulate_pv(WarpState<D>& st,
       const u32 hi = transpose8x8(pack2<F16PV>(q1, q1));  // rows 8-15: value_row(2/3, t)
 #pragma unroll
       for (int m = 0; m < T::kPVTiles; ++m) {
-        // rows g / g+8 of m-tile m, half j': dims (D/8)g + 4m + 2j' and the next one (bytes 2m + j')
-        const u32 a0 = value_pair<D>(lut_v, xa, 2 * m), a1 = value_pair<D>(lut_v, ya, 2 * m);
-        const u32 a2 = value_pair<D>(lut_v, xa, 2 * m + 1), a3 = value_pair<D>(lut_v, ya, 2 * m + 1);
-        mma16816<F16PV>(st.acc[m], a0, a1, a2, a3, lo & even_g, lo & ~even_g);
-        const u32 c0 = value_pair<D>(lut_v, xb, 2 * m), c1 = value_pair<D>(lut_v, yb, 2 * m);
-        const u32 c2 = value_pair<D>(lut_v, xb, 2 * m + 1), c3 = value_pair<D>(lut_v, yb, 2 * m + 1);
-        mma16816<F16PV>(st.acc[m], c0, c1, c2, c3, hi & even_g, hi & ~even_g);
+        // rows g / g+8 of m-tile m, half j': dims (D/8)g + 4m + 2j' and the next one (operand index 2m + j')
+        u32 a[2][4];
+        values.operands(lut_v, m, a);
+        mma16816<F16PV>(st.acc[m], a[0][0], a[0][1], a[1][0], a[1][1], lo & even_g, lo & ~even_g);
+        mma16816<F16PV>(st.acc[m], a[0][2], a[0][3], a[1][2], a[1][3], hi & even_g, hi & ~even_g);
       }
     }
   }
@@ -795,8 +714,8 @@ __device__ __forceinline__ int red_col(int row, int d) {
 
 // Grid (splits, H_kv * head_groups, batch); block kThreads. Output row of query head hq of sequence b is
 // b * num_q_heads + hq; partial s of a row lives at part_out[(s * rows + row) * D], part_lse[s * rows + row].
-template <int D, int QK, int MODE, int W>
-__global__ void __launch_bounds__(Traits<D, W>::kThreads, Traits<D, W>::kMinBlocks)
+template <int D, int QK, int MODE, int W, int KB, int VB>
+__global__ void __launch_bounds__(Traits<D, W, KB, VB>::kThreads, Traits<D, W, KB, VB>::kMinBlocks)
 tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, long long q_sd,
                  const unsigned char* __restrict__ k_idx, long long k_sb, long long k_sh, long long k_sn,
                  const float* __restrict__ k_nrm, long long kn_sb, long long kn_sh, long long kn_sn,
@@ -810,8 +729,9 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
                  float* __restrict__ part_out,
                  float* __restrict__ part_lse, int rows, int prefetch
                  ) {
-  using T = Traits<D, W>;
+  using T = Traits<D, W, KB, VB>;
   constexpr int kWarps = T::kWarps, kThreads = T::kThreads;
+  constexpr int kPagesOffset = T::kPagesOffset;
   // S^T = K Q^T always runs in fp16 (3 more mantissa bits than bf16 for the key centroids; queries are scaled
   // by a power of two into fp16 range). P V runs in fp16 for fp16 queries and in bf16 (range-safe for large
   // value norms) otherwise.
@@ -864,8 +784,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  KVAddress<D, MODE, kTma> kv;
-  constexpr int kStageBytes = 16 * (D + 8);
+  KVAddress<T, MODE, kTma> kv;
+  constexpr int kStageBytes = 16 * T::kTokenBytes;
   unsigned char* const stage = smem + kPagesOffset + warp * 2 * kStageBytes;
   unsigned long long* const stage_bar =
       reinterpret_cast<unsigned long long*>(smem + kPagesOffset + kWarps * 2 * kStageBytes) + 2 * warp;
@@ -875,13 +795,13 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     const int npages = ((s1 - 1) >> log2_bs) - page0 + 1;
     for (int i = tid; i < npages; i += kThreads) pages[i] = block_table[b * bt_sb + page0 + i];
     const long long bs = 1ll << log2_bs;
-    const unsigned char* head = k_idx + h * (bs * (D + 8));
+    const unsigned char* head = k_idx + h * (bs * T::kTokenBytes);
     // The bases include the lane's rows in a tile (keys key_row(g), values value_row(0, t)).
     const int key_rows = key_row<kTma>(g), value_rows = value_row<kTma>(0, t);
-    kv.k = head + t * T::kKBytes + key_rows * (D / 2);
-    kv.kn = head + bs * (D / 2) + key_rows * 4;
-    kv.v = head + bs * (D / 2 + 4) + g * T::kVBytes + value_rows * (D / 2);
-    kv.vn = head + bs * (D + 4) + key_rows * 4;
+    kv.k = head + t * T::kKBytes + key_rows * T::kKRow;
+    kv.kn = head + bs * T::kKRow + key_rows * 4;
+    kv.v = head + bs * (T::kKRow + 4) + g * T::kVBytes + value_rows * T::kVRow;
+    kv.vn = head + bs * (T::kKRow + 4 + T::kVRow) + key_rows * 4;
     kv.pages = block_table + b * bt_sb + page0;  // the first tiles' loads read it before the shared copy is ready
     kv.page0 = page0;
     kv.log2_bs = log2_bs;
@@ -918,7 +838,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   //    (the loop below).
   constexpr bool kSplitLoads = MODE != kPaged;
   constexpr int kAhead = kSplitLoads ? kPartV : kPartKV;  // what is loaded for chunk c + kWarps when c starts
-  Tile<D> bufa[T::kTiles], bufb[T::kTiles];
+  Tile<T> bufa[T::kTiles], bufb[T::kTiles];
   // Bulk-copied tiles: the block of chunk c (a chunk is one tile, a tile one block here) from this head's slice.
   const unsigned char* const tile_src = k_idx + h * kStageBytes;
   auto copy_tile = [&](int chunk, int slot) {
@@ -971,19 +891,21 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       }
     }
   }
-  const float centroid = lane < 16 ? k_cent[lane] : v_cent[lane - 16];
+  // Lanes past a codebook's 2^bits centroids hold 0 (no table entry reads them).
+  const float centroid = lane < 16 ? (lane < (1 << KB) ? k_cent[lane] : 0.f)
+                                   : (lane - 16 < (1 << VB) ? v_cent[lane - 16] : 0.f);
 
-  WarpState<D> st;
+  WarpState<T> st;
 #pragma unroll
   for (int m = 0; m < T::kPVTiles; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
 #pragma unroll
   for (int c = 0; c < T::kCols; ++c) st.thr[c] = -inf(), st.mu[c] = 0.f, st.l[c] = 0.f;
   const u32 even_g = (g & 1) ? 0u : ~0u;  // 4 head slots: which half of P^T's rows this lane's B column takes
 
-  const Lut lut_k(lane, 0);
-  const Lut lut_v(lane, 1);
+  const Lut lut_k(lane, 0, T::KeyCode::kWide);
+  const Lut lut_v(lane, 1, T::ValueCode::kWide);
   // The table build runs while the first tiles, the queries and the centroids are in flight.
-  build_tables<F16PV, kThreads>(smem, centroid);
+  build_tables<T, F16PV>(smem, centroid);
   u32 qf[T::kSteps][2];
   // The queries are multiplied by 2^-e so that their largest magnitude lies in [2^14, 2^15) (exact; fp16 range
   // and full fp16 precision for any input scale); 2^e goes back into the score scale. Q^T fragments: head g of
@@ -1014,17 +936,17 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     if (ahead < nchunks) kv.template prefetch_chunk<T::kChunk>(tile_at(ahead, 0), last);
   }
   // The rest of a step once the scores are in: the running max, P = exp2(s) (s arrives as score - mu), l and O^T.
-  auto softmax_pv = [&](const Tile<D>(&cur)[T::kTiles], float (&s)[T::kTiles][T::kScores]) {
-    update_max<D, W, F16PV>(st, s);
+  auto softmax_pv = [&](const Tile<T>(&cur)[T::kTiles], float (&s)[T::kTiles][T::kScores]) {
+    update_max<T, F16PV>(st, s);
     float p[T::kTiles][T::kScores];
 #pragma unroll
     for (int j = 0; j < T::kTiles; ++j) {
 #pragma unroll
       for (int i = 0; i < T::kScores; ++i) p[j][i] = ex2(s[j][i]);
     }
-    accumulate_pv<D, W, F16PV>(st, p, cur, lut_v, even_g);
+    accumulate_pv<T, F16PV>(st, p, cur, lut_v, even_g);
   };
-  auto step = [&](Tile<D>(&cur)[T::kTiles], Tile<D>(&nxt)[T::kTiles]) {
+  auto step = [&](Tile<T>(&cur)[T::kTiles], Tile<T>(&nxt)[T::kTiles]) {
     const int cn = c + kWarps, ck = c + 2 * kWarps;
     if (cn < nchunks) {
 #pragma unroll
@@ -1033,7 +955,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     if (prefetch > 0 && cn + prefetch * kWarps < nchunks)
       kv.template prefetch_chunk<T::kChunk>(tile_at(cn + prefetch * kWarps, 0), last);
     float s[T::kTiles][T::kScores];
-    tile_scores<D, W, MODE>(s, cur, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row<kTma>(g), st.mu);
+    tile_scores<T, MODE>(s, cur, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row<kTma>(g), st.mu);
     if (kSplitLoads && ck < nchunks) {
 #pragma unroll
       for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(cur[j], tile_at(ck, j), last);
@@ -1048,13 +970,13 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     for (int i = 0; c < nchunks; ++i, c += kWarps) {
       const int slot = i & 1;
       barrier_wait(stage_bar + slot, (i >> 1) & 1);
-      load_staged<D>(bufa[0], stage + slot * kStageBytes, tile_at(c, 0), last);
+      load_staged<T>(bufa[0], stage + slot * kStageBytes, tile_at(c, 0), last);
       __syncwarp();
       if (lane == 0 && c + 2 * kWarps < nchunks) copy_tile(c + 2 * kWarps, slot);
       if (prefetch > 0 && c + (2 + prefetch) * kWarps < nchunks)
         kv.template prefetch_chunk<T::kChunk>(tile_at(c + (2 + prefetch) * kWarps, 0), last);
       float s[T::kTiles][T::kScores];
-      tile_scores<D, W, MODE>(s, bufa, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row<kTma>(g), st.mu);
+      tile_scores<T, MODE>(s, bufa, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row<kTma>(g), st.mu);
       softmax_pv(bufa, s);
     }
   } else {

@@ -83,7 +83,8 @@ def tq_attention(
     causal=False, key_bias=None, *, backend: str | None = None,
 ):
     """See :func:`flashquant_hf.reference.tq_attention.tq_attention`."""
-    module = _reference_unless_served("tq_attention", "tq_attention", backend, (q_rot, k_packed), k_bits, v_bits)
+    module = _reference_unless_served("tq_attention", "tq_attention", backend, (q_rot, k_packed), k_bits, v_bits,
+                                      q_rot.shape[2], q_rot.shape[-1])
     return module.tq_attention(
         q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
         causal=causal, key_bias=key_bias,

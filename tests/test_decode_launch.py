@@ -103,4 +103,52 @@ def test_builds_hold_every_launch_build():
                         names = builds[dl.build_options(mode, heads, log2_bs, head_dim, capability)]
                         assert {dl.kernel_name(head_dim, kind, mode) for kind in (0, 1, 2)} <= names
     staged = {options: names for options, names in builds.items() if dl.TMA_OPTION in options}
-    assert len(staged) == 2 and all(len(names) == 6 and "<256," not in " ".join(names) for names in staged.values())
+    assert len(staged) == 2 and all("<256," not in " ".join(names) for names in staged.values())
+    assert all(len([n for n in names if n.endswith(", 4, 4>")]) == 6 for names in staged.values())
+
+
+def test_builds_cover_every_code_width():
+    """Every (key, value) width pair is compiled at head_dim 128 in the contiguous build and in the paired paged build
+    with staged tiles, and the preset widths at every head_dim."""
+    builds = {options: set(names) for options, names in dl.BUILDS}
+    staged = builds[dl.build_options(dl.MODE_PAGED, 4, 4, 128, 9)]
+    for k_bits in dl.BITS:
+        for v_bits in dl.BITS:
+            assert dl.kernel_name(128, 1, dl.MODE_CONTIGUOUS, k_bits, v_bits) in builds[()]
+            assert dl.kernel_name(128, 1, dl.MODE_PAGED, k_bits, v_bits) in staged
+    for head_dim in dl.HEAD_DIMS:
+        for bits in ((3, 3), (3, 2), (2, 2), (1, 1)):
+            assert dl.kernel_name(head_dim, 1, dl.MODE_CONTIGUOUS, *bits) in builds[()]
+
+
+@pytest.mark.parametrize(("bits", "entries"), [(1, 16), (2, 256), (3, 64), (4, 256)])
+def test_table_sizes_follow_the_code_width(bits, entries):
+    """Entries at a 256-byte stride (128 bytes per table and entry, K and V interleaved) + the 1 KB slack."""
+    assert dl.table_entries(bits) == entries
+    assert dl.lut_bytes(bits, bits) == entries * 256 + 1024
+    assert dl.lut_bytes(4, 4) == dl.LUT_BYTES
+
+
+@pytest.mark.parametrize(("head_dim", "bits", "keys", "alignment"), [
+    (128, 4, True, 16), (128, 4, False, 8), (64, 3, True, 2), (64, 3, False, 1), (128, 3, True, 4),
+    (256, 3, False, 4), (64, 1, False, 1), (256, 2, True, 16),
+])
+def test_slice_alignment_is_the_lane_load_piece(head_dim, bits, keys, alignment):
+    """A lane's slice (a quarter of a key row, an eighth of a value row) is read in the widest power-of-two pieces
+    that divide it, at most 16 bytes."""
+    assert dl.slice_alignment(head_dim, bits, keys) == alignment
+    assert dl.token_bytes(head_dim, bits, bits) == head_dim * bits // 4 + 8
+
+
+def test_tq_attention_routes_every_decode_width_to_a_kernel():
+    """One query token: the decode kernel reads 1- to 4-bit codes at its head dims; chunks: the prefill kernel reads
+    2- to 4-bit codes; everything else is named as the reason for the reference."""
+    from flashquant_hf.kernels import tq_attention as ta
+
+    for k_bits in dl.BITS:
+        for v_bits in dl.BITS:
+            assert ta.unsupported(k_bits, v_bits, 1, 128) is None
+            chunk = ta.unsupported(k_bits, v_bits, 7, 128)
+            assert (chunk is None) == (1 not in (k_bits, v_bits)), (k_bits, v_bits)
+    assert "head_dim 96" in ta.unsupported(4, 4, 1, 96)
+    assert "k_bits=1" in ta.unsupported(1, 2, 16, 64)

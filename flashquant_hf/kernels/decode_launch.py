@@ -27,6 +27,7 @@ from .loader import get_kernel
 
 CUDA_SOURCE = "tq_decode.cu"
 HEAD_DIMS = (64, 128, 256)
+BITS = (1, 2, 3, 4)  # key and value code widths, each independently
 QUERY_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, MODE_PAGED = 0, 1, 2
 # Warps per CTA for head_dim <= 128 (template W; head_dim 256 always runs 4): 8, two CTAs x 8 warps per SM sharing
@@ -40,9 +41,38 @@ def warps_for(head_dim: int, warps: int | None = None) -> int:
     return 4 if head_dim == 256 else (WARPS if warps is None else warps)
 
 
-def kernel_name(head_dim: int, query_kind: int, mode: int, warps: int | None = None) -> str:
+def kernel_name(head_dim: int, query_kind: int, mode: int, k_bits: int = 4, v_bits: int = 4,
+                warps: int | None = None) -> str:
     """Name expression of one decode instantiation."""
-    return f"fqd::tq_decode_kernel<{head_dim}, {query_kind}, {mode}, {warps_for(head_dim, warps)}>"
+    return (f"fqd::tq_decode_kernel<{head_dim}, {query_kind}, {mode}, {warps_for(head_dim, warps)}, {k_bits}, "
+            f"{v_bits}>")
+
+
+def table_entries(bits: int) -> int:
+    """Entries of the code -> centroid-pair table of ``bits``-bit codes (``Code::kEntries`` in decode_codes.cuh)."""
+    return {1: 16, 2: 256, 3: 64, 4: 256}[bits]
+
+
+def lut_bytes(k_bits: int = 4, v_bits: int = 4) -> int:
+    """Shared memory of the two tables (entries at a 256-byte stride, K and V interleaved) + kLutSlack."""
+    return 256 * max(table_entries(k_bits), table_entries(v_bits)) + 1024
+
+
+def token_bytes(head_dim: int, k_bits: int = 4, v_bits: int = 4) -> int:
+    """Bytes of one token of one KV head: packed key and value codes and their fp32 norms."""
+    return head_dim * (k_bits + v_bits) // 8 + 8
+
+
+def slice_alignment(head_dim: int, bits: int, keys: bool) -> int:
+    """Byte alignment a row of packed codes needs: a lane reads a quarter of a key row or an eighth of a value row in
+    pieces of up to 16 bytes (the widest power of two dividing its slice)."""
+    lane_bytes = head_dim * bits // (32 if keys else 64)
+    return min(16, lane_bytes & -lane_bytes)
+
+
+def reduction_bytes(head_dim: int, warps: int) -> int:
+    """Shared memory of the cross-warp reduction that reuses the tables' space at the end of a split."""
+    return 4 * warps * 8 * (head_dim + 2)
 
 
 HEADS_PER_CTA = 8  # the n = 8 head slots of one mma tile
@@ -55,7 +85,7 @@ PAIRED_OPTION = "-DFQD_HEAD_SLOTS=4"
 TMA_TILES = True
 TMA_OPTION = "-DFQD_TMA_TILES=1"
 TMA_PREFETCH_CHUNKS = 0  # L2 prefetch distance beyond the two staged tiles (none: faster without on the H200)
-LUT_BYTES = 2 * 256 * 32 * 4 + 1024  # K and V byte->pair tables, one copy per lane, + kLutSlack
+LUT_BYTES = 2 * 256 * 32 * 4 + 1024  # the TQ4 tables: K and V byte->pair tables, one copy per lane, + kLutSlack
 MAX_PAGE_BYTES = 4096  # shared-memory copy of one split's block-table slice
 GRANULE = 128  # keys per round of all warps of a CTA (Traits<D, W>::kChunk * W for every instantiation)
 # L2 prefetch distances, tuned on the H200 by benchmarks/bench_decode.py (sweep over the three benchmark shapes):
@@ -123,16 +153,43 @@ def _builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
     return tuple((options, tuple(names)) for options, names in builds.items())
 
 
-# Compiled by tests/test_cuda_compile.py: the paged builds per block size and the paired / staged-tile builds.
-BUILDS = _builds()
+def _width_builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """Builds of the other code widths: every (key, value) width pair at head_dim 128, and the pairs the cache
+    presets use (3/3, 3/2, 2/2, 1/1) at head_dim 64 and 256, in the contiguous 8-slot build and the paged builds for
+    blocks of 16 (paired with staged tiles, and the 8-slot register-load build). The width only changes the code
+    of decode_codes.cuh, which these cover for every head_dim."""
+    pairs = [(k, v) for k in BITS for v in BITS if (k, v) != (4, 4)]
+    presets = [(3, 3), (3, 2), (2, 2), (1, 1)]
+
+    def names(mode: int, dims: tuple[int, ...]) -> tuple[str, ...]:
+        chosen = [(128, k, v) for k, v in pairs] + [(d, k, v) for d in dims if d != 128 for k, v in presets]
+        return tuple(kernel_name(d, QUERY_KINDS[torch.bfloat16], mode, k, v) for d, k, v in chosen if d in dims)
+
+    staged = (PAIRED_OPTION, block_size_option(4), TMA_OPTION)
+    return (((), names(MODE_CONTIGUOUS, HEAD_DIMS)),
+            ((block_size_option(4),), names(MODE_PAGED, HEAD_DIMS)),
+            (staged, names(MODE_PAGED, (64, 128))))
 
 
-def staged_tile_bytes(options: tuple[str, ...], head_dim: int, warps: int) -> int:
+def _merged(*groups: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]):
+    builds: dict[tuple[str, ...], list[str]] = {}
+    for group in groups:
+        for options, names in group:
+            builds.setdefault(options, []).extend(n for n in names if n not in builds[options])
+    return tuple((options, tuple(names)) for options, names in builds.items())
+
+
+# Compiled by tests/test_cuda_compile.py: the paged builds per block size, the paired / staged-tile builds, and the
+# other code widths.
+BUILDS = _merged(_builds(), _width_builds())
+
+
+def staged_tile_bytes(options: tuple[str, ...], head_dim: int, warps: int, k_bits: int = 4, v_bits: int = 4) -> int:
     """Shared memory of the bulk-copied tile stages (two 16-key tiles and their barriers per warp) in builds with
     ``-DFQD_TMA_TILES=1`` for blocks of 16 keys (the kernel stages only those), else 0."""
     if TMA_OPTION not in options or block_size_option(4) not in options or warps != 8:
         return 0
-    return warps * 2 * (16 * (head_dim + 8) + 8)
+    return warps * 2 * (16 * token_bytes(head_dim, k_bits, v_bits) + 8)
 
 
 def units_shape(batch: int, kv_heads: int, group: int) -> tuple[int, int, int]:
@@ -169,11 +226,11 @@ def _sm_count(device_index: int) -> int:
 def _prepared_kernel(name: str, device_index: int, options: tuple[str, ...] = ()) -> tuple[Any, int]:
     """The kernel with its shared-memory limits raised, and how many of its CTAs fit on one SM."""
     device = torch.device("cuda", device_index)
-    warps = int(name.rstrip(">").split(",")[3])
+    head_dim, _, _, warps, k_bits, v_bits = (int(x) for x in name.split("<")[1].rstrip(">").split(","))
     threads = 32 * warps
     kernel = get_kernel(CUDA_SOURCE, name, device, options)
-    head_dim = int(name.split("<")[1].split(",")[0])
-    smem = LUT_BYTES + MAX_PAGE_BYTES + 16 + staged_tile_bytes(options, head_dim, warps)
+    smem = max(lut_bytes(k_bits, v_bits) + MAX_PAGE_BYTES + 16
+               + staged_tile_bytes(options, head_dim, warps, k_bits, v_bits), reduction_bytes(head_dim, warps))
     kernel.max_dynamic_shared_size_bytes = smem
     try:
         kernel.preferred_shared_memory_carveout = 100  # 2-3 CTAs x ~69 KB (staged tiles: 2 x ~103 KB) need it all
@@ -199,12 +256,14 @@ def _prepared_kernel(name: str, device_index: int, options: tuple[str, ...] = ()
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_decode(units: int, max_len: int, head_dim: int, slots: int, log2_block_size: int | None = None) -> DecodePlan:
+def plan_decode(units: int, max_len: int, head_dim: int, slots: int, log2_block_size: int | None = None,
+                tables: int = LUT_BYTES) -> DecodePlan:
     """Split plan for ``units`` (sequence, KV head, head group) triples of up to ``max_len`` keys.
 
     Picks the split count minimising ``waves * (split_len + OVERHEAD_KEYS)`` plus the partials' cost, where a
     wave is ``slots`` (SMs x CTAs per SM) CTAs. Paged splits also keep their block-table slice within
     ``MAX_PAGE_BYTES``. ``max_len`` should be rounded to the granule by callers so one plan serves many steps.
+    ``tables``: shared memory of the code tables (:func:`lut_bytes`), which the block-table slice follows.
     """
     gran = GRANULE
     length = max(gran, -(-max_len // gran) * gran)
@@ -225,7 +284,7 @@ def plan_decode(units: int, max_len: int, head_dim: int, slots: int, log2_block_
         best = (0.0, -(-length // split_len), split_len)
     _, splits, split_len = best
     pages = 0 if log2_block_size is None else 4 * ((split_len >> log2_block_size) + 1)
-    return DecodePlan(splits, split_len, LUT_BYTES + pages, slots)
+    return DecodePlan(splits, split_len, tables + pages, slots)
 
 
 def balance_places(plan: DecodePlan, units: int, length: int, sms: int, ctas_per_sm: int,
@@ -249,7 +308,8 @@ def balance_places(plan: DecodePlan, units: int, length: int, sms: int, ctas_per
         pages = 4 * ((long_len >> log2_block_size) + 1)
         if pages > MAX_PAGE_BYTES - 4:
             return plan
-    return DecodePlan(plan.splits, long_len, LUT_BYTES + pages, plan.slots, long_splits, short_len)
+        pages -= 4 * ((plan.split_len >> log2_block_size) + 1)  # the plan's shared memory holds its own slice
+    return DecodePlan(plan.splits, long_len, plan.shared_mem + pages, plan.slots, long_splits, short_len)
 
 
 @functools.lru_cache(maxsize=32)
@@ -290,9 +350,10 @@ def clear_caches() -> None:
     _workspace.cache_clear()
 
 
-def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tuple[int, int, int],
-                rows: int, length: int, log2_block_size: int | None, heads: int) -> _Launch:
-    key = (mode, head_dim, query_kind, index, units, rows, length, log2_block_size, heads, WARPS, SLOT_FACTOR,
+def _launch_for(mode: int, head_dim: int, query_kind: int, bits: tuple[int, int], index: int,
+                units: tuple[int, int, int], rows: int, length: int, log2_block_size: int | None,
+                heads: int) -> _Launch:
+    key = (mode, head_dim, query_kind, bits, index, units, rows, length, log2_block_size, heads, WARPS, SLOT_FACTOR,
            FIRST_PLACE_SPEEDUP, FIRST_PLACE_SPEEDUP_8_SLOTS, TMA_TILES, PREFETCH_CHUNKS, TMA_PREFETCH_CHUNKS,
            CONTIGUOUS_PREFETCH_CHUNKS)
     found = _LAUNCHES.get(key)
@@ -301,14 +362,14 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, index: int, units: tu
     batch, kv_heads, head_groups = units
     warps = warps_for(head_dim)
     options = build_options(mode, heads, log2_block_size, head_dim, loader.device_capability(index)[0])
-    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, warps), index, options)
+    kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, *bits, warps), index, options)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
-    plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size)
+    plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size, lut_bytes(*bits))
     plan = balance_places(plan, batch * kv_heads * head_groups, length, _sm_count(index), ctas_per_sm,
                           log2_block_size, FIRST_PLACE_SPEEDUP if heads == 4 else FIRST_PLACE_SPEEDUP_8_SLOTS)
-    staged = staged_tile_bytes(options, head_dim, warps)
-    if staged:
-        plan = dataclasses.replace(plan, shared_mem=plan.shared_mem + staged)
+    shared_mem = max(plan.shared_mem + staged_tile_bytes(options, head_dim, warps, *bits),
+                     reduction_bytes(head_dim, warps))
+    plan = dataclasses.replace(plan, shared_mem=shared_mem)
     grid = (plan.splits, kv_heads * head_groups, batch)
     merge = part_out = part_lse = None
     merge_ptr = 0
@@ -337,8 +398,8 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
 
 def run_decode(
     mode: int, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, batch: int, kv_heads: int,
-    group: int, max_len: int, centroids: tuple[torch.Tensor, torch.Tensor], scale: float, out: torch.Tensor,
-    lse: torch.Tensor, log2_block_size: int | None = None,
+    group: int, max_len: int, centroids: tuple[torch.Tensor, torch.Tensor], bits: tuple[int, int], scale: float,
+    out: torch.Tensor, lse: torch.Tensor, log2_block_size: int | None = None,
 ) -> None:
     """Plan, launch the decode kernel and (for several splits) the merge into ``out``, ``lse`` (contiguous,
     ``rows x D`` and ``rows`` elements).
@@ -355,8 +416,8 @@ def run_decode(
     head_dim = q3.shape[-1]
     rows = lse.numel()
     length = -(-max_len // GRANULE) * GRANULE
-    setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], index, units_shape(batch, kv_heads, group), rows,
-                        length, log2_block_size, head_slots(group))
+    setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], bits, index, units_shape(batch, kv_heads, group),
+                        rows, length, log2_block_size, head_slots(group))
     plan = setup.plan
     if plan.splits == 1:  # written directly
         part_out, part_lse = out, lse
@@ -385,14 +446,12 @@ def check_query(q_rot: torch.Tensor, rank: int, layout: str) -> None:
 
 def check_codebooks(k_centroids: torch.Tensor, v_centroids: torch.Tensor, k_bits: int, v_bits: int,
                     device: torch.device) -> None:
-    """TQ4 only in CUDA; fp32 [16] contiguous centroids on the queries' device."""
-    if k_bits != 4 or v_bits != 4:
-        raise NotImplementedError(
-            f"the CUDA decode supports 4-bit keys and values only, got k_bits={k_bits}, v_bits={v_bits}; "
-            "use the PyTorch reference (FLASHQUANT_BACKEND=torch) for other bit widths"
-        )
-    for name, c in (("k_centroids", k_centroids), ("v_centroids", v_centroids)):
-        checks.check_layout(name, c, torch.float32, (16,))
+    """Code widths in BITS; fp32 [2^bits] contiguous centroids on the queries' device."""
+    for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
+        if bits not in BITS or isinstance(bits, bool):
+            raise ValueError(f"`{name}` must be one of {BITS} for the CUDA decode, got {bits!r}")
+    for name, c, bits in (("k_centroids", k_centroids, k_bits), ("v_centroids", v_centroids, v_bits)):
+        checks.check_layout(name, c, torch.float32, (1 << bits,))
         if not c.is_contiguous():
             raise ValueError(f"`{name}` must be contiguous, got strides {c.stride()}")
         checks.check_device(name, c, device, like="`q_rot`")

@@ -1,4 +1,5 @@
-"""CUDA ``paged_decode``: one query token per sequence over the paged TQ4 store (``flashquant_hf/paged.py``).
+"""CUDA ``paged_decode``: one query token per sequence over the paged store (``flashquant_hf/paged.py``), 1- to 4-bit
+codes.
 
 Same kernel as :mod:`flashquant_hf.kernels.tq_decode` (``cuda/tq_decode.cu``, template ``MODE`` 2, built per
 block size); the plan, workspace and launch live in :mod:`flashquant_hf.kernels.decode_launch`.
@@ -15,14 +16,14 @@ from ..paged import BLOCK_SIZES, PagedLayout
 from .decode_launch import MODE_PAGED, NULL, check_codebooks, check_query, run_decode
 
 
-def _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size) -> PagedLayout:
+def _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size, k_bits, v_bits) -> PagedLayout:
     check_query(q_rot, 3, "[S, Hq, D]")
     num_seqs, q_heads, head_dim = q_rot.shape
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"`block_size` must be one of {BLOCK_SIZES}, got {block_size!r}")
     if not isinstance(blocks, torch.Tensor) or blocks.dim() != 3:
         raise ValueError(f"`blocks` must be uint8 [num_blocks, H_kv, bytes], got {getattr(blocks, 'shape', blocks)}")
-    layout = PagedLayout(block_size, int(blocks.shape[1]), head_dim)
+    layout = PagedLayout(block_size, int(blocks.shape[1]), head_dim, k_bits, v_bits)
     layout.check_blocks(blocks)
     if q_heads % layout.num_kv_heads:
         raise ValueError(f"`q_rot` heads ({q_heads}) must be a multiple of the KV heads ({layout.num_kv_heads})")
@@ -53,16 +54,17 @@ def paged_decode(
     block_size: int,
     max_seq_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K decode of one query token per sequence over the paged TQ4 store (CUDA).
+    """Split-K decode of one query token per sequence over the paged store (CUDA).
 
     Same contract as :func:`flashquant_hf.reference.paged_decode.paged_decode`.
 
     Parameters
     ----------
     q_rot : shape [S, Hq, D] fp16/bf16/fp32, already rotated by the key rotation; D in {64, 128, 256}
-    blocks : uint8 shape [num_blocks, H_kv, block_size * (D + 8)], one layer of :class:`flashquant_hf.paged.PagedTQCache`
+    blocks : uint8 shape [num_blocks, H_kv, PagedLayout.head_block_bytes], one layer of
+        :class:`flashquant_hf.paged.PagedTQCache`
     block_table : int32 shape [S, max_blocks]; seq_lens : int32 shape [S]
-    k_centroids, v_centroids : fp32 shape [16] (4-bit only: other widths raise NotImplementedError)
+    k_centroids, v_centroids : fp32 shape [2^k_bits], [2^v_bits]; k_bits, v_bits in 1..4
     max_seq_len : host-side upper bound of ``seq_lens`` used to plan the splits (default: read from the device,
         one synchronisation). Keys beyond it are not attended, so it must not be smaller than the true maximum.
 
@@ -71,8 +73,8 @@ def paged_decode(
     out_rot : fp32 shape [S, Hq, D] (value-rotated space); lse : fp32 shape [S, Hq] natural log (-inf, out 0 for
     an empty sequence)
     """
-    layout = _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size)
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
+    layout = _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size, k_bits, v_bits)
     num_seqs, q_heads, head_dim = q_rot.shape
     kv_heads = layout.num_kv_heads
     group = q_heads // kv_heads
@@ -95,6 +97,6 @@ def paged_decode(
     )
     run_decode(
         MODE_PAGED, q_rot, tuple(q_rot.stride()), tensor_args, num_seqs, kv_heads, group, max_len,
-        (k_centroids, v_centroids), float(scale), out, lse, layout.log2_block_size,
+        (k_centroids, v_centroids), (k_bits, v_bits), float(scale), out, lse, layout.log2_block_size,
     )
     return out, lse

@@ -1,4 +1,4 @@
-"""CUDA ``tq_decode``: ``tq_attention`` for one query token over the contiguous per-layer TQ4 layout.
+"""CUDA ``tq_decode``: ``tq_attention`` for one query token over the contiguous per-layer layout (1- to 4-bit codes).
 
 Same kernel as the paged decode (``cuda/tq_decode.cu``, template ``MODE`` 0, or 1 with ``key_bias``); the plan,
 workspace and launch live in :mod:`flashquant_hf.kernels.decode_launch`.
@@ -12,32 +12,38 @@ import numpy as np
 import torch
 
 from . import checks
-from .decode_launch import MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, check_codebooks, check_query, run_decode
+from ..packing import packed_size
+from .decode_launch import (
+    MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, check_codebooks, check_query, run_decode, slice_alignment,
+)
 
 
 def _check_cache_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple, device: torch.device,
-                        vector: bool) -> None:
+                        alignment: int = 0) -> None:
     checks.check_layout(name, t, dtype, shape)
     checks.check_device(name, t, device, like="`q_rot`")
-    if vector:  # 16-byte lane loads
-        checks.check_aligned_rows(name, t, 16)
+    if alignment:  # the lanes' vector loads
+        checks.check_aligned_rows(name, t, alignment)
 
 
-def _check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, key_bias) -> None:
+def _check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias) -> None:
     check_query(q_rot, 4, "[B, Hq, 1, D]")
     batch, q_heads, q_len, head_dim = q_rot.shape
     if q_len != 1:
         raise ValueError(f"`q_rot` must hold one query token per sequence (Lq = 1), got Lq = {q_len}")
     dev = q_rot.device
-    _check_cache_tensor("k_packed", k_packed, torch.uint8, (batch, "H_kv", "N", head_dim // 2), dev, True)
+    k_row, v_row = packed_size(head_dim, k_bits), packed_size(head_dim, v_bits)
+    _check_cache_tensor("k_packed", k_packed, torch.uint8, (batch, "H_kv", "N", k_row), dev,
+                        slice_alignment(head_dim, k_bits, keys=True))
     kv_heads, num_keys = int(k_packed.shape[1]), int(k_packed.shape[2])
-    _check_cache_tensor("v_packed", v_packed, torch.uint8, (batch, kv_heads, num_keys, head_dim // 2), dev, True)
-    _check_cache_tensor("k_norms", k_norms, torch.float32, (batch, kv_heads, num_keys), dev, False)
-    _check_cache_tensor("v_norms", v_norms, torch.float32, (batch, kv_heads, num_keys), dev, False)
+    _check_cache_tensor("v_packed", v_packed, torch.uint8, (batch, kv_heads, num_keys, v_row), dev,
+                        slice_alignment(head_dim, v_bits, keys=False))
+    _check_cache_tensor("k_norms", k_norms, torch.float32, (batch, kv_heads, num_keys), dev)
+    _check_cache_tensor("v_norms", v_norms, torch.float32, (batch, kv_heads, num_keys), dev)
     if q_heads % kv_heads:
         raise ValueError(f"`q_rot` heads ({q_heads}) must be a multiple of the KV heads ({kv_heads})")
     if key_bias is not None:
-        _check_cache_tensor("key_bias", key_bias, torch.float32, (batch, num_keys), dev, False)
+        _check_cache_tensor("key_bias", key_bias, torch.float32, (batch, num_keys), dev)
 
 
 def tq_decode(
@@ -54,15 +60,15 @@ def tq_decode(
     causal: bool = False,
     key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K decode over the contiguous TQ4 layout (CUDA); the ``tq_attention`` contract for ``Lq == 1``.
+    """Split-K decode over the contiguous layout (CUDA); the ``tq_attention`` contract for ``Lq == 1``.
 
     Parameters
     ----------
     q_rot : shape [B, Hq, 1, D] fp16/bf16/fp32, already ``q @ Pi_K.T``; D in {64, 128, 256}
-    k_packed, v_packed : uint8 shape [B, H_kv, N, D/2] (views of a larger capacity buffer are fine: element
-        strides, 16-byte aligned rows)
+    k_packed, v_packed : uint8 shape [B, H_kv, N, ceil(D * bits / 8)] (views of a larger capacity buffer are fine:
+        element strides; rows aligned as :func:`~flashquant_hf.kernels.decode_launch.slice_alignment` says)
     k_norms, v_norms : fp32 shape [B, H_kv, N]
-    k_centroids, v_centroids : fp32 shape [16]; 4-bit only (other widths raise NotImplementedError)
+    k_centroids, v_centroids : fp32 shape [2^k_bits], [2^v_bits]; k_bits, v_bits in 1..4
     scale : softmax scale
     causal : ignored: with one query token the bottom-right aligned mask hides nothing
     key_bias : optional fp32 shape [B, N] added to every score of key j (0 or -inf for padding)
@@ -72,8 +78,8 @@ def tq_decode(
     out_rot : fp32 shape [B, Hq, 1, D] (value-rotated space); lse : fp32 shape [B, Hq, 1] natural log, -inf (and
     out 0) where no key is visible
     """
-    _check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, key_bias)
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
+    _check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
     batch, q_heads, _, head_dim = q_rot.shape
     kv_heads, num_keys = k_packed.shape[1], k_packed.shape[2]
     group = q_heads // kv_heads
@@ -102,6 +108,6 @@ def tq_decode(
     qs = q_rot.stride()
     run_decode(
         mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, batch, kv_heads, group,
-        num_keys, (k_centroids, v_centroids), float(scale), out, lse,
+        num_keys, (k_centroids, v_centroids), (k_bits, v_bits), float(scale), out, lse,
     )
     return out, lse

@@ -1,5 +1,6 @@
-"""Tiny paged (block sizes 8-64, GQA 4 and 8) + contiguous decode (several splits, so the merge runs too) and a
-40-split merge (the merge's deep-batch variant) for compute-sanitizer:
+"""Tiny paged (block sizes 8-64, GQA 4 and 8, every code width at blocks of 8 and 16) + contiguous decode (several
+splits, so the merge runs too; every code width at head_dim 64 and 128) and a 40-split merge (the merge's deep-batch
+variant) for compute-sanitizer:
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize_decode.py [--warps 4] [--cupy-launch]
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_decode.py
@@ -24,9 +25,13 @@ from flashquant_hf.kernels.tq_decode import tq_decode  # noqa: E402
 from flashquant_hf.paged import PagedLayout  # noqa: E402
 
 
-def paged_case(q: torch.Tensor, c: torch.Tensor, block_size: int):
+def codebook(bits: int, head_dim: int = 128) -> torch.Tensor:
+    return torch.tensor(lloyd_max_codebook(head_dim, bits).centroids, dtype=torch.float32, device="cuda")
+
+
+def paged_case(q: torch.Tensor, c: torch.Tensor, block_size: int, bits: tuple[int, int] = (4, 4)):
     """Ragged paged decode (700, 3 and 0 keys, shuffled blocks) at one block size."""
-    layout = PagedLayout(block_size=block_size, num_kv_heads=2, head_dim=128)
+    layout = PagedLayout(block_size=block_size, num_kv_heads=2, head_dim=128, k_bits=bits[0], v_bits=bits[1])
     lens = [700, 3, 0]
     need = [-(-n // block_size) for n in lens]
     blocks = torch.randint(0, 256, (sum(need) + 1, 2, layout.head_block_bytes), dtype=torch.uint8, device=q.device)
@@ -36,8 +41,9 @@ def paged_case(q: torch.Tensor, c: torch.Tensor, block_size: int):
     ids = torch.randperm(sum(need)).tolist()
     for i, n in enumerate(need):
         table[i, :n] = torch.tensor(ids[sum(need[:i]) : sum(need[:i]) + n], dtype=torch.int32)
+    ck, cv = (c, c) if bits == (4, 4) else (codebook(bits[0]), codebook(bits[1]))
     out, lse = paged_decode(q, blocks, table.to(q.device), torch.tensor(lens, dtype=torch.int32, device=q.device),
-                            c, c, 4, 4, 128**-0.5, block_size)
+                            ck, cv, *bits, 128**-0.5, block_size)
     return out, lse, blocks, table, lens
 
 
@@ -65,6 +71,17 @@ def main() -> None:
     bias = torch.zeros(2, 777, device=dev)
     bias[1, :100] = float("-inf")
     out2, lse2 = tq_decode(q[:2, :, None], k, kn, v, vn, c, c, 4, 4, 128**-0.5, key_bias=bias)
+    widths = [(k_bits, v_bits) for k_bits in dl.BITS for v_bits in dl.BITS if (k_bits, v_bits) != (4, 4)]
+    for bits in widths:
+        for block_size in (8, 16):
+            assert torch.isfinite(paged_case(q, c, block_size, bits)[0]).all(), f"bits {bits}, blocks {block_size}"
+        for head_dim in (64, 128):
+            kw = torch.randint(0, 256, (2, 2, 800, head_dim * bits[0] // 8), dtype=torch.uint8, device=dev)[:, :, :777]
+            vw = torch.randint(0, 256, (2, 2, 777, head_dim * bits[1] // 8), dtype=torch.uint8, device=dev)
+            qw = torch.randn(2, 8, 1, head_dim, device=dev, dtype=torch.float16)
+            ow, _ = tq_decode(qw, kw, kn, vw, vn, codebook(bits[0], head_dim), codebook(bits[1], head_dim), *bits,
+                              head_dim**-0.5)
+            assert torch.isfinite(ow).all(), f"bits {bits}, head_dim {head_dim}"
     outs, lses = torch.randn(40, 5, 128, device=dev), torch.randn(40, 5, device=dev)
     lses[3] = float("-inf")  # an empty split
     merged, _ = merge_partials(outs, lses)

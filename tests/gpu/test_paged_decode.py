@@ -13,14 +13,14 @@ from flashquant_hf.reference.paged_decode import paged_decode as reference_paged
 DEV = "cuda"
 
 
-def centroids(head_dim: int) -> torch.Tensor:
-    return torch.tensor(lloyd_max_codebook(head_dim, 4).centroids, dtype=torch.float32, device=DEV)
+def centroids(head_dim: int, bits: int = 4) -> torch.Tensor:
+    return torch.tensor(lloyd_max_codebook(head_dim, bits).centroids, dtype=torch.float32, device=DEV)
 
 
-def random_store(lens, block_size, kv_heads, head_dim, seed=0):
-    """Random TQ4 blocks, shuffled block ids per sequence, int32 block table and lengths."""
+def random_store(lens, block_size, kv_heads, head_dim, seed=0, k_bits=4, v_bits=4):
+    """Random blocks of k_bits / v_bits codes, shuffled block ids per sequence, int32 block table and lengths."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    layout = PagedLayout(block_size, kv_heads, head_dim)
+    layout = PagedLayout(block_size, kv_heads, head_dim, k_bits, v_bits)
     need = [-(-n // block_size) for n in lens]
     num_blocks = sum(need) + 5
     blocks = torch.randint(0, 256, (num_blocks, kv_heads, layout.head_block_bytes), dtype=torch.uint8,
@@ -53,13 +53,13 @@ def decode_poisoned(monkeypatch, poison, *args):
     return result, setup
 
 
-def check(q_rot, blocks, table, lens, block_size, tol=1e-2, max_seq_len=None):
+def check(q_rot, blocks, table, lens, block_size, tol=1e-2, max_seq_len=None, bits=(4, 4)):
     from flashquant_hf.kernels.paged_decode import paged_decode
 
-    c = centroids(q_rot.shape[-1])
+    ck, cv = centroids(q_rot.shape[-1], bits[0]), centroids(q_rot.shape[-1], bits[1])
     scale = q_rot.shape[-1] ** -0.5
-    out, lse = paged_decode(q_rot, blocks, table, lens, c, c, 4, 4, scale, block_size, max_seq_len)
-    ref_out, ref_lse = reference_paged_decode(q_rot.double(), blocks, table, lens, c, c, 4, 4, scale, block_size)
+    out, lse = paged_decode(q_rot, blocks, table, lens, ck, cv, *bits, scale, block_size, max_seq_len)
+    ref_out, ref_lse = reference_paged_decode(q_rot.double(), blocks, table, lens, ck, cv, *bits, scale, block_size)
     assert out.shape == q_rot.shape and lse.shape == q_rot.shape[:2]
     assert torch.isfinite(out).all(), "NaN/Inf in out_rot"
     finite = torch.isfinite(ref_lse)
@@ -287,3 +287,28 @@ def test_paged_decode_staged_and_register_tiles(group, head_dim, monkeypatch, po
         check(q, blocks, table, lens_t, 16)
     torch.testing.assert_close(results[0][0], results[1][0], rtol=2e-3, atol=2e-3)
     dl.clear_caches()
+
+
+WIDTHS = [(k, v) for k in (1, 2, 3, 4) for v in (1, 2, 3, 4) if (k, v) != (4, 4)]
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("group", [4, 8])
+def test_paged_decode_every_width(bits, block_size, group):
+    """Every (key, value) code width at head_dim 128 on ragged sequences: blocks of 16 take the staged tiles on sm_90
+    (paired build at GQA 4), blocks of 8 the register loads."""
+    lens = [1, 0, 37, 2 * block_size + 3, 2222]
+    blocks, table, lens_t = random_store(lens, block_size, 2, 128, seed=200 + 4 * bits[0] + bits[1], k_bits=bits[0],
+                                         v_bits=bits[1])
+    q = torch.randn(len(lens), 2 * group, 128, device=DEV, dtype=torch.bfloat16)
+    check(q, blocks, table, lens_t, block_size, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [(3, 3), (3, 2), (2, 2), (1, 1)])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_paged_decode_widths_head_dims(bits, head_dim):
+    lens = [300, 1, 4099]
+    blocks, table, lens_t = random_store(lens, 16, 2, head_dim, seed=300 + head_dim, k_bits=bits[0], v_bits=bits[1])
+    q = torch.randn(len(lens), 2, head_dim, device=DEV, dtype=torch.float16)
+    check(q, blocks, table, lens_t, 16, bits=bits)

@@ -6,21 +6,24 @@ import pytest
 import torch
 
 from flashquant_hf.codebook import lloyd_max_codebook
+from flashquant_hf.packing import packed_size
 from flashquant_hf.reference.tq_attention import tq_attention as reference_attention
 
 DEV = "cuda"
 
 
-def centroids(head_dim: int) -> torch.Tensor:
-    return torch.tensor(lloyd_max_codebook(head_dim, 4).centroids, dtype=torch.float32, device=DEV)
+def centroids(head_dim: int, bits: int = 4) -> torch.Tensor:
+    return torch.tensor(lloyd_max_codebook(head_dim, bits).centroids, dtype=torch.float32, device=DEV)
 
 
-def random_cache(batch, kv_heads, num_keys, head_dim, capacity_extra=0, seed=0):
-    """Random TQ4 bytes and norms as views [:, :, :N] of a larger capacity buffer (like the HF cache)."""
+def random_cache(batch, kv_heads, num_keys, head_dim, capacity_extra=0, seed=0, k_bits=4, v_bits=4):
+    """Random packed codes and norms as views [:, :, :N] of a larger capacity buffer (like the HF cache)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     cap = num_keys + capacity_extra
-    k = torch.randint(0, 256, (batch, kv_heads, cap, head_dim // 2), dtype=torch.uint8, device=DEV, generator=g)
-    v = torch.randint(0, 256, (batch, kv_heads, cap, head_dim // 2), dtype=torch.uint8, device=DEV, generator=g)
+    k = torch.randint(0, 256, (batch, kv_heads, cap, packed_size(head_dim, k_bits)), dtype=torch.uint8, device=DEV,
+                      generator=g)
+    v = torch.randint(0, 256, (batch, kv_heads, cap, packed_size(head_dim, v_bits)), dtype=torch.uint8, device=DEV,
+                      generator=g)
     kn = torch.rand(batch, kv_heads, cap, device=DEV, generator=g) * 8 + 0.5
     vn = torch.rand(batch, kv_heads, cap, device=DEV, generator=g) * 4 + 0.5
     return k[:, :, :num_keys], kn[:, :, :num_keys], v[:, :, :num_keys], vn[:, :, :num_keys]
@@ -302,3 +305,59 @@ def test_tq_decode_balanced_places(monkeypatch):
     torch.testing.assert_close(results[1.09][0], results[1.0][0], rtol=2e-3, atol=2e-3)
     assert_close_rel(*results[1.09], *reference64(q, cache, c, bias))
     dl.clear_caches()
+
+
+WIDTHS = [(k, v) for k in (1, 2, 3, 4) for v in (1, 2, 3, 4) if (k, v) != (4, 4)]
+
+
+def check_widths(q, cache, k_bits, v_bits, key_bias=None):
+    """tq_decode over k_bits / v_bits codes with its outputs poisoned (NaN) first, against the float64 reference."""
+    import flashquant_hf.kernels.decode_launch as dl
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    head_dim = q.shape[-1]
+    ck, cv = centroids(head_dim, k_bits), centroids(head_dim, v_bits)
+    scale = head_dim**-0.5
+    dl.clear_caches()
+    real_empty = torch.empty
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
+                        if k.get("dtype", torch.float32) == torch.float32 else real_empty(*a, **k))
+        out, lse = tq_decode(q, *cache, ck, cv, k_bits, v_bits, scale, key_bias=key_bias)
+    ref_out, ref_lse = reference_attention(q.double(), *cache, ck, cv, k_bits, v_bits, scale, key_bias=key_bias)
+    assert_close_rel(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_tq_decode_every_width(bits, group):
+    """Every (key, value) code width at head_dim 128 (paired build for groups <= 4, 8 slots above), N not a multiple
+    of the tile, rows of a larger capacity buffer."""
+    cache = random_cache(2, 2, 1111, 128, capacity_extra=21, seed=100 + 4 * bits[0] + bits[1], k_bits=bits[0],
+                         v_bits=bits[1])
+    q = torch.randn(2, 2 * group, 1, 128, device=DEV, dtype=torch.bfloat16)
+    check_widths(q, cache, *bits)
+
+
+@pytest.mark.parametrize("bits", [(3, 3), (3, 2), (2, 2), (4, 3), (1, 1), (2, 1)])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("num_keys", [1, 97, 3000])
+def test_tq_decode_widths_head_dims(bits, head_dim, num_keys):
+    """The cache presets' widths at head_dim 64 (3-bit value slices of 3 bytes at odd offsets) and 256."""
+    cache = random_cache(2, 2, num_keys, head_dim, capacity_extra=5, seed=num_keys + head_dim, k_bits=bits[0],
+                         v_bits=bits[1])
+    q = torch.randn(2, 8, 1, head_dim, device=DEV, dtype=torch.float16)
+    check_widths(q, cache, *bits)
+
+
+@pytest.mark.parametrize("bits", [(3, 3), (3, 2), (1, 1)])
+def test_tq_decode_widths_key_bias_and_empty(bits):
+    """Padding bias (a row whose keys are all masked gets lse -inf and out 0) and an empty cache."""
+    cache = random_cache(3, 2, 700, 128, seed=9, k_bits=bits[0], v_bits=bits[1])
+    bias = torch.zeros(3, 700, device=DEV)
+    bias[0, :300] = float("-inf")
+    bias[2] = float("-inf")
+    q = torch.randn(3, 8, 1, 128, device=DEV, dtype=torch.bfloat16)
+    check_widths(q, cache, *bits, key_bias=bias)
+    empty = random_cache(3, 2, 0, 128, capacity_extra=16, k_bits=bits[0], v_bits=bits[1])
+    check_widths(q, empty, *bits)

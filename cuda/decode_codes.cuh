@@ -1,0 +1,352 @@
+// How the split-K decode (tq_decode.cu) reads b-bit codes, b = 1 .. 4, for keys and values independently:
+// the loads of a lane's slice of a packed row, the byte -> centroid tables in shared memory, and the A operands
+// of both mma products built from them.
+//
+// Packing (flashquant_hf/packing.py): one MSB-first bit stream per row. 4 bits: byte j = idx[2j] << 4 | idx[2j+1];
+// 2 bits: byte j holds idx[4j..4j+3] from the top, 1 bit: idx[8j..8j+7]; 3 bits: 8 indices fill 3 bytes as the
+// big-endian 24-bit value sum_k idx[8g+k] << (21 - 3k).
+//
+// Lane (g, t) of a warp holds, per 16-key tile, a quarter of two key rows (dims t*D/4 .., the contraction of
+// S^T = K Q^T) and an eighth of four value rows (dims g*D/8 .., rows of O^T = V^T P^T). Every A register of an
+// mma is a pair of fp16/bf16 centroids. A lookup turns a few bits into such a pair (or two pairs) with one
+// shared-memory load from a per-lane copy of a table, so no lookups of one warp conflict:
+//   4 bits: a byte (two indices) -> one pair,  256 entries of 4 bytes, address = PRMT of the byte
+//   2 bits: a byte (four indices) -> two pairs, 256 entries of 8 bytes (16 copies; a 64-bit load is two phases)
+//   3 bits: six bits (two indices) -> one pair, 64 entries of 4 bytes, address = shift + LOP3 of the field
+//   1 bit:  a nibble (four indices) -> two pairs, 16 entries of 8 bytes, address = shift + LOP3 of the nibble
+// Entry e of table `tab` (0 keys, 1 values) for lane l lives at byte e*256 + tab*128 + l*4 (4-byte entries) or
+// e*256 + tab*128 + (l % 16)*8 (8-byte entries) of the table block, which sits at the fixed shared-window address
+// kLutWindow: the address of a lookup is the lane's constant with the entry index in bits 8.., and kLutWindow is
+// the load's immediate.
+//
+// Values pair two keys per A register (V^T's columns are keys): the codes of the same dims of the two keys are
+// merged first (one LOP3 per word or group), so a value lookup reads one dim of two keys exactly like a key lookup
+// reads two dims of one key.
+#ifndef FQ_DECODE_CODES_CUH
+#define FQ_DECODE_CODES_CUH
+
+namespace fqd {
+
+typedef unsigned int u32;
+
+constexpr unsigned int kLutWindow = 0x400;
+
+// Two floats -> one register of the mma element type, `lo` in the low half (the lower k / n index).
+template <bool F16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 r;
+  if constexpr (F16) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+}
+
+// (a & mask) | (b & ~mask) in one LOP3 (ptxas emits two when the masks are written as separate constants).
+__device__ __forceinline__ u32 select_bits(u32 a, u32 b, u32 mask) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(mask));
+  return r;
+}
+
+__host__ __device__ constexpr int lowest_bit(int x) { return x & -x; }
+__host__ __device__ constexpr int min_int(int a, int b) { return a < b ? a : b; }
+
+// --------------------------------------------------------------------------------------------- loads
+// Streaming loads (every byte is read once, so it stays out of L1) of BYTES bytes at an address aligned to ALIGN,
+// into little-endian words (byte i in bits 8*(i%4) of word i/4), in the widest pieces the alignment allows.
+template <int N>
+__device__ __forceinline__ void load_piece(u32* w, const unsigned char* p) {
+  if constexpr (N == 16) {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+  } else if constexpr (N == 8) {
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+  } else if constexpr (N == 4) {
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
+  } else {
+    static_assert(N == 2 || N == 1, "pieces of 1, 2, 4, 8 or 16 bytes");
+    unsigned short x;
+    if constexpr (N == 2) {
+      asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(x) : "l"(p));
+    } else {
+      asm volatile("ld.global.nc.L1::no_allocate.u8 %0, [%1];" : "=h"(x) : "l"(p));
+    }
+    w[0] = x;
+  }
+}
+
+template <int BYTES, int ALIGN>
+__device__ __forceinline__ void load_bytes(u32 (&w)[(BYTES + 3) / 4], const unsigned char* p) {
+  constexpr int kPiece = min_int(min_int(lowest_bit(BYTES), lowest_bit(ALIGN)), 16);
+  if constexpr (kPiece >= 4) {
+#pragma unroll
+    for (int i = 0; i < BYTES; i += kPiece) load_piece<kPiece>(&w[i / 4], p + i);
+  } else {
+#pragma unroll
+    for (int i = 0; i < (BYTES + 3) / 4; ++i) w[i] = 0u;
+#pragma unroll
+    for (int i = 0; i < BYTES; i += kPiece) {
+      u32 x;
+      load_piece<kPiece>(&x, p + i);
+      w[i / 4] |= x << (8 * (i % 4));
+    }
+  }
+}
+
+// The same from shared memory (bytes staged by a bulk copy).
+template <int BYTES, int ALIGN>
+__device__ __forceinline__ void load_shared_bytes(u32 (&w)[(BYTES + 3) / 4], const unsigned char* p) {
+  constexpr int kPiece = min_int(min_int(lowest_bit(BYTES), lowest_bit(ALIGN)), 16);
+  if constexpr (kPiece >= 4) {
+#pragma unroll
+    for (int i = 0; i < BYTES; i += kPiece) {
+      if constexpr (kPiece == 16) {
+        const uint4 x = *reinterpret_cast<const uint4*>(p + i);
+        w[i / 4] = x.x, w[i / 4 + 1] = x.y, w[i / 4 + 2] = x.z, w[i / 4 + 3] = x.w;
+      } else if constexpr (kPiece == 8) {
+        const uint2 x = *reinterpret_cast<const uint2*>(p + i);
+        w[i / 4] = x.x, w[i / 4 + 1] = x.y;
+      } else {
+        w[i / 4] = *reinterpret_cast<const u32*>(p + i);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < (BYTES + 3) / 4; ++i) w[i] = 0u;
+#pragma unroll
+    for (int i = 0; i < BYTES; i += kPiece) {
+      const u32 x = kPiece == 2 ? *reinterpret_cast<const unsigned short*>(p + i) : p[i];
+      w[i / 4] |= x << (8 * (i % 4));
+    }
+  }
+}
+
+// --------------------------------------------------------------------------------------------- lookups
+// Three-bit groups: group j of a slice is bytes 3j .. 3j + 2, as the big-endian 24-bit value in bits 0..23 (the
+// top byte is not used by any field).
+template <int WORDS>
+__device__ __forceinline__ u32 group24(const u32 (&w)[WORDS], int j) {
+  const int b = 3 * j;
+  const int i = b >> 2, o = b & 3;
+  const u32 hi = i + 1 < WORDS ? w[i + 1] : 0u;
+  // result byte 2 <- source byte o, byte 1 <- o + 1, byte 0 <- o + 2 (sources 4..7 are `hi`)
+  return __byte_perm(w[i], hi, static_cast<u32>((o + 2) | ((o + 1) << 4) | (o << 8) | (7 << 12)));
+}
+
+// One lane's view of a table (see the file comment). `lane` is the lane's constant: l*4 + tab*128, or
+// (l % 16)*8 + tab*128 for 8-byte entries.
+struct Lut {
+  u32 lane;
+
+  __device__ __forceinline__ Lut(int lane_id, int tab, bool wide)
+      : lane(wide ? static_cast<u32>(lane_id & 15) * 8u + tab * 128u : static_cast<u32>(lane_id) * 4u + tab * 128u) {}
+
+  __device__ __forceinline__ u32 load(u32 address) const {
+    u32 value;
+    // volatile: LLVM must not sink the load past the barrier before the reduction reuses this memory.
+    asm volatile("ld.shared.u32 %0, [%1+%2];" : "=r"(value) : "r"(address), "n"(kLutWindow));
+    return value;
+  }
+
+  __device__ __forceinline__ void load2(u32 address, u32& lo, u32& hi) const {
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2+%3];" : "=r"(lo), "=r"(hi) : "r"(address), "n"(kLutWindow));
+  }
+
+  // Entry of byte K of `w` (one PRMT puts the byte into bits 8..15 of the lane's constant).
+  template <int K>
+  __device__ __forceinline__ u32 byte_address(u32 w) const {
+    return __byte_perm(w, lane, 0x7604u | (K << 4));
+  }
+
+  // Entry of the WIDTH bits of `x` starting at bit S (six-bit fields of a 24-bit group, nibbles of a word).
+  template <int S, int WIDTH = 6>
+  __device__ __forceinline__ u32 field_address(u32 x) const {
+    const u32 at8 = S >= 8 ? x >> (S - 8) : x << (8 - S);
+    return (at8 & (((1u << WIDTH) - 1u) << 8)) | lane;
+  }
+
+  // Entry of nibble N (0: bits 0..3) of `w`.
+  template <int N>
+  __device__ __forceinline__ u32 nibble_address(u32 w) const {
+    return field_address<4 * N, 4>(w);
+  }
+};
+
+// --------------------------------------------------------------------------------------------- codes
+// What one width costs a lane and how its lookups run. kRowBytes: a packed row; kKeyBytes: the lane's quarter of
+// a key row (dims t*D/4 ..); kValueBytes: its eighth of a value row (dims g*D/8 ..); kEntries: table entries.
+template <int B, int D>
+struct Code {
+  static_assert(B >= 1 && B <= 4, "1 to 4 bits");
+  static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
+  static constexpr int kBits = B;
+  static constexpr int kRowBytes = D * B / 8;
+  static constexpr int kKeyBytes = D * B / 32;
+  static constexpr int kValueBytes = D * B / 64;
+  static constexpr int kKeyWords = (kKeyBytes + 3) / 4;
+  static constexpr int kValueWords = (kValueBytes + 3) / 4;
+  // Alignment of a lane's slice: its offset (t * kKeyBytes, g * kValueBytes) in rows of kRowBytes.
+  static constexpr int kKeyAlign = lowest_bit(kKeyBytes);
+  static constexpr int kValueAlign = lowest_bit(kValueBytes);
+  static constexpr bool kWide = B <= 2;  // 8-byte entries (two pairs per lookup)
+  static constexpr int kEntries = B == 3 ? 64 : B == 1 ? 16 : 256;
+};
+
+// Table entries (built by tq_decode.cu's build_tables): the entry of the index bits (i, j) of a 3- or 4-bit code is
+// the pair c(i) in the low half (the lower mma index), c(j) in the high half; the 8-byte entry of four 1- or 2-bit
+// indices (i0, i1, i2, i3) is the pairs (c(i0), c(i1)) and (c(i2), c(i3)).
+
+// A operands of k-step kk of S^T = K Q^T from one key row's quarter `w`: `lo` = dims 4kk, 4kk + 1 and `hi` = dims
+// 4kk + 2, 4kk + 3 of the lane's quarter (the Q^T fragment holds the same dims).
+template <int B, int D>
+__device__ __forceinline__ void key_operands(const Lut& lut, const u32 (&w)[Code<B, D>::kKeyWords], int kk, u32& lo,
+                                             u32& hi) {
+  if constexpr (B == 4) {  // bytes 2kk, 2kk + 1
+    const u32 x = w[kk >> 1];
+    if (kk & 1) {
+      lo = lut.load(lut.byte_address<2>(x));
+      hi = lut.load(lut.byte_address<3>(x));
+    } else {
+      lo = lut.load(lut.byte_address<0>(x));
+      hi = lut.load(lut.byte_address<1>(x));
+    }
+  } else if constexpr (B == 2) {  // byte kk: both pairs in one 8-byte entry
+    const u32 x = w[kk >> 2];
+    switch (kk & 3) {
+      case 0: lut.load2(lut.byte_address<0>(x), lo, hi); break;
+      case 1: lut.load2(lut.byte_address<1>(x), lo, hi); break;
+      case 2: lut.load2(lut.byte_address<2>(x), lo, hi); break;
+      default: lut.load2(lut.byte_address<3>(x), lo, hi); break;
+    }
+  } else if constexpr (B == 1) {  // the high (even kk) or low nibble of byte kk / 2: both pairs in one entry
+    const u32 x = w[kk >> 3];
+    switch (kk & 7) {  // nibble 2 * (byte in word) + 1 is the byte's high nibble
+      case 0: lut.load2(lut.nibble_address<1>(x), lo, hi); break;
+      case 1: lut.load2(lut.nibble_address<0>(x), lo, hi); break;
+      case 2: lut.load2(lut.nibble_address<3>(x), lo, hi); break;
+      case 3: lut.load2(lut.nibble_address<2>(x), lo, hi); break;
+      case 4: lut.load2(lut.nibble_address<5>(x), lo, hi); break;
+      case 5: lut.load2(lut.nibble_address<4>(x), lo, hi); break;
+      case 6: lut.load2(lut.nibble_address<7>(x), lo, hi); break;
+      default: lut.load2(lut.nibble_address<6>(x), lo, hi); break;
+    }
+  } else {  // group kk / 2: fields at bits 18, 12 (even kk) or 6, 0 (odd kk)
+    const u32 g = group24(w, kk >> 1);
+    if (kk & 1) {
+      lo = lut.load(lut.field_address<6>(g));
+      hi = lut.load(lut.field_address<0>(g));
+    } else {
+      lo = lut.load(lut.field_address<18>(g));
+      hi = lut.load(lut.field_address<12>(g));
+    }
+  }
+}
+
+// The value side of one tile for one lane: the four value rows (keys of columns 2t, 2t + 1 in rows 0, 1 and of
+// columns 2t + 8, 2t + 9 in rows 2, 3), merged per key pair so that a lookup returns one dim of two keys.
+// operands(q, a) fills the A operands of two consecutive operand indices i = 2q and 2q + 1; index i covers dims
+// 2i (A row g) and 2i + 1 (A row g + 8) of the lane's eighth:
+//   a[h][0] = dim 2i of the keys of columns 2t, 2t + 1      a[h][1] = dim 2i + 1 of the same keys
+//   a[h][2] = dim 2i of the keys of columns 2t + 8, 2t + 9  a[h][3] = dim 2i + 1 of the same keys   (i = 2q + h)
+template <int B, int D>
+struct ValueOperands {
+  using C = Code<B, D>;
+  static constexpr int kMerged = B == 3 ? D / 64 : C::kValueWords;  // 3 bits: 24-bit groups; else words
+  // x: the first index of each pair of dims (dims 2i) of both keys, y: the second (dims 2i + 1); a / b: key pairs
+  u32 xa[kMerged], ya[kMerged], xb[kMerged], yb[kMerged];
+
+  __device__ __forceinline__ ValueOperands(const u32 (&v)[4][C::kValueWords]) {
+    constexpr u32 kMask = B == 4 ? 0xF0F0F0F0u : B == 2 ? 0xCCCCCCCCu : B == 1 ? 0xAAAAAAAAu : 0x00E38E38u;
+#pragma unroll
+    for (int m = 0; m < kMerged; ++m) {
+      u32 r[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r[i] = B == 3 ? group24(v[i], m) : v[i][m];
+      xa[m] = select_bits(r[0], r[1] >> B, kMask);
+      ya[m] = select_bits(r[0] << B, r[1], kMask);
+      xb[m] = select_bits(r[2], r[3] >> B, kMask);
+      yb[m] = select_bits(r[2] << B, r[3], kMask);
+    }
+  }
+
+  __device__ __forceinline__ void operands(const Lut& lut, int q, u32 (&a)[2][4]) const {
+    if constexpr (B == 4) {  // index i is byte i of x / y
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * q + h;
+        a[h][0] = byte_lookup(lut, xa[i >> 2], i & 3);
+        a[h][1] = byte_lookup(lut, ya[i >> 2], i & 3);
+        a[h][2] = byte_lookup(lut, xb[i >> 2], i & 3);
+        a[h][3] = byte_lookup(lut, yb[i >> 2], i & 3);
+      }
+    } else if constexpr (B == 2) {  // byte q of x holds dims 4q and 4q + 2 (= 2i for i = 2q, 2q + 1), of y the next
+      wide_lookup(lut, xa[q >> 2], q & 3, a[0][0], a[1][0]);
+      wide_lookup(lut, ya[q >> 2], q & 3, a[0][1], a[1][1]);
+      wide_lookup(lut, xb[q >> 2], q & 3, a[0][2], a[1][2]);
+      wide_lookup(lut, yb[q >> 2], q & 3, a[0][3], a[1][3]);
+    } else if constexpr (B == 1) {  // nibble q of x (high nibble of byte q / 2 first) holds dims 4q and 4q + 2
+      wide_nibble_lookup(lut, xa[q >> 3], q & 7, a[0][0], a[1][0]);
+      wide_nibble_lookup(lut, ya[q >> 3], q & 7, a[0][1], a[1][1]);
+      wide_nibble_lookup(lut, xb[q >> 3], q & 7, a[0][2], a[1][2]);
+      wide_nibble_lookup(lut, yb[q >> 3], q & 7, a[0][3], a[1][3]);
+    } else {  // group q / 2 holds indices 4 (q % 2) .. + 1 at field positions 18 - 6 f
+      const int m = q >> 1;
+      if (q & 1) {
+        field_pair<6, 0>(lut, m, a);
+      } else {
+        field_pair<18, 12>(lut, m, a);
+      }
+    }
+  }
+
+ private:
+  __device__ __forceinline__ static u32 byte_lookup(const Lut& lut, u32 w, int k) {
+    switch (k) {
+      case 0: return lut.load(lut.byte_address<0>(w));
+      case 1: return lut.load(lut.byte_address<1>(w));
+      case 2: return lut.load(lut.byte_address<2>(w));
+      default: return lut.load(lut.byte_address<3>(w));
+    }
+  }
+
+  __device__ __forceinline__ static void wide_lookup(const Lut& lut, u32 w, int k, u32& lo, u32& hi) {
+    switch (k) {
+      case 0: lut.load2(lut.byte_address<0>(w), lo, hi); break;
+      case 1: lut.load2(lut.byte_address<1>(w), lo, hi); break;
+      case 2: lut.load2(lut.byte_address<2>(w), lo, hi); break;
+      default: lut.load2(lut.byte_address<3>(w), lo, hi); break;
+    }
+  }
+
+  // Nibble q of the slice: the high nibble of byte q / 2 for even q (nibble 2 * (byte in word) + 1 of the word).
+  __device__ __forceinline__ static void wide_nibble_lookup(const Lut& lut, u32 w, int q, u32& lo, u32& hi) {
+    switch (q) {
+      case 0: lut.load2(lut.nibble_address<1>(w), lo, hi); break;
+      case 1: lut.load2(lut.nibble_address<0>(w), lo, hi); break;
+      case 2: lut.load2(lut.nibble_address<3>(w), lo, hi); break;
+      case 3: lut.load2(lut.nibble_address<2>(w), lo, hi); break;
+      case 4: lut.load2(lut.nibble_address<5>(w), lo, hi); break;
+      case 5: lut.load2(lut.nibble_address<4>(w), lo, hi); break;
+      case 6: lut.load2(lut.nibble_address<7>(w), lo, hi); break;
+      default: lut.load2(lut.nibble_address<6>(w), lo, hi); break;
+    }
+  }
+
+  template <int S0, int S1>
+  __device__ __forceinline__ void field_pair(const Lut& lut, int m, u32 (&a)[2][4]) const {
+    a[0][0] = lut.load(lut.field_address<S0>(xa[m]));
+    a[0][1] = lut.load(lut.field_address<S0>(ya[m]));
+    a[0][2] = lut.load(lut.field_address<S0>(xb[m]));
+    a[0][3] = lut.load(lut.field_address<S0>(yb[m]));
+    a[1][0] = lut.load(lut.field_address<S1>(xa[m]));
+    a[1][1] = lut.load(lut.field_address<S1>(ya[m]));
+    a[1][2] = lut.load(lut.field_address<S1>(xb[m]));
+    a[1][3] = lut.load(lut.field_address<S1>(yb[m]));
+  }
+};
+
+}  // namespace fqd
+
+#endif  // FQ_DECODE_CODES_CUH
