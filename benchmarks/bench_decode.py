@@ -1,4 +1,4 @@
-"""Decode attention over a TQ4 cache vs torch SDPA bf16 on the same logical cache (Hq 32, Hkv 8, D 128).
+"""Decode attention over a TurboQuant cache vs torch SDPA bf16 on the same logical cache (Hq 32, Hkv 8, D 128).
 
 Two timings, both over ``CALLS`` back-to-back calls on rotated input sets (each set larger than twice the L2),
 median per call, SDPA timed the same way:
@@ -8,6 +8,10 @@ median per call, SDPA timed the same way:
   overhead excluded for both sides (as under CUDA-graph replay).
 * wall time (``*_wall_ms``, ``benchmarks.timing.time_ms``): includes whatever CPU launch overhead does not
   overlap (the Python + CuPy wrapper costs tens of microseconds per call; see ``*_cpu_us_per_call``).
+
+The code widths (``*_k{K}v{V}_*``: keys K bits, values V bits) are timed as ``B2B_CALLS`` calls back to back
+divided by their number, without the pre-spin (what an eager model sees, host gaps included), next to SDPA timed the
+same way, and once isolated (one call after the spin: the kernels alone).
 
 SDPA gets its fastest GQA form (``enable_gqa``, the group folded into the query length, or pre-expanded K/V).
 The CTA shape (4 or 8 warps) and the L2 prefetch distance are swept first and the best pair is used for the
@@ -34,16 +38,30 @@ CONFIGS = (  # batch, keys, tag, speedup target
 )
 
 
-def _centroids(dev):
+B2B_CALLS = 20
+# (key bits, value bits): speed-up targets over SDPA bf16 at b8_n32k, b1_n128k, b32_n8k (paged, back to back)
+WIDTH_TARGETS = {
+    (3, 3): (3.5, 2.5, 3.3),
+    (3, 2): (4.0, 2.7, 3.8),
+    (2, 2): (4.5, 2.8, 4.2),
+    (4, 3): (3.2, 2.3, 3.0),
+}
+
+
+def _centroids(dev, bits: int = 4):
     from flashquant_hf.codebook import lloyd_max_codebook
 
-    return torch.tensor(lloyd_max_codebook(HEAD_DIM, 4).centroids, dtype=torch.float32, device=dev)
+    return torch.tensor(lloyd_max_codebook(HEAD_DIM, bits).centroids, dtype=torch.float32, device=dev)
 
 
-def _paged_set(batch, keys, block_size, dev, seed):
+def _token_bytes(k_bits: int = 4, v_bits: int = 4) -> int:
+    return HEAD_DIM * (k_bits + v_bits) // 8 + 8
+
+
+def _paged_set(batch, keys, block_size, dev, seed, k_bits=4, v_bits=4):
     from flashquant_hf.paged import PagedLayout
 
-    layout = PagedLayout(block_size, KV_HEADS, HEAD_DIM)
+    layout = PagedLayout(block_size, KV_HEADS, HEAD_DIM, k_bits, v_bits)
     per_seq = keys // block_size
     g = torch.Generator(device=dev).manual_seed(seed)
     blocks = torch.randint(0, 256, (batch * per_seq, KV_HEADS, layout.head_block_bytes), dtype=torch.uint8,
@@ -55,18 +73,18 @@ def _paged_set(batch, keys, block_size, dev, seed):
     return blocks, table, lens
 
 
-def _contiguous_set(batch, keys, dev, seed):
+def _contiguous_set(batch, keys, dev, seed, k_bits=4, v_bits=4):
     g = torch.Generator(device=dev).manual_seed(seed)
     cap = keys + 1000  # views of a larger capacity buffer, as in the HF cache
 
-    def idx():
-        return torch.randint(0, 256, (batch, KV_HEADS, cap, HEAD_DIM // 2), dtype=torch.uint8, device=dev,
+    def idx(bits):
+        return torch.randint(0, 256, (batch, KV_HEADS, cap, HEAD_DIM * bits // 8), dtype=torch.uint8, device=dev,
                              generator=g)[:, :, :keys]
 
     def norms():
         return (torch.rand(batch, KV_HEADS, cap, device=dev, generator=g) * 3 + 0.5)[:, :, :keys]
 
-    return idx(), norms(), idx(), norms()
+    return idx(k_bits), norms(), idx(v_bits), norms()
 
 
 
@@ -121,6 +139,39 @@ def _gpu_ms(fn_of_set, sets, reps=40):
     return statistics.median(times)
 
 
+def _back_to_back_ms(fn_of_set, sets, calls=B2B_CALLS, reps=25):
+    """Per call, over ``calls`` calls launched back to back (events around them, no pre-spin: host gaps count)."""
+    for i in range(3 * len(sets)):
+        fn_of_set(sets[i % len(sets)])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for r in range(reps):
+        torch.cuda.synchronize()
+        start.record()
+        for i in range(calls):
+            fn_of_set(sets[(r + i) % len(sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def _isolated_ms(fn_of_set, sets, reps=40):
+    """One call after a ~2 ms spin (its launch is queued before it runs): the kernels' own time."""
+    for i in range(3 * len(sets)):
+        fn_of_set(sets[i % len(sets)])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for r in range(reps):
+        torch.cuda._sleep(4_000_000)
+        start.record()
+        fn_of_set(sets[r % len(sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def _cpu_us_per_call(fn_of_set, sets, calls=200):
     """Host time to enqueue one call (nothing waits on the GPU inside the loop)."""
     torch.cuda.synchronize()
@@ -164,11 +215,71 @@ def _sdpa_ms(batch, keys, dev):
     return times[best], wall, best, times
 
 
-def _paged_sets(batch, keys, block_size, dev):
-    tq_bytes = batch * KV_HEADS * keys * (HEAD_DIM + 8)
-    return [(*_paged_set(batch, keys, block_size, dev, seed),
+def _paged_sets(batch, keys, block_size, dev, k_bits=4, v_bits=4):
+    tq_bytes = batch * KV_HEADS * keys * _token_bytes(k_bits, v_bits)
+    return [(*_paged_set(batch, keys, block_size, dev, seed, k_bits, v_bits),
              torch.randn(batch, Q_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16))
             for seed in range(copies_to_exceed_l2(tq_bytes))]
+
+
+def _sdpa_sets(batch, keys, dev):
+    kv_bytes = 2 * batch * KV_HEADS * keys * HEAD_DIM * 2
+    return [
+        (torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16),
+         torch.randn(batch, KV_HEADS, keys, HEAD_DIM, device=dev, dtype=torch.bfloat16),
+         torch.randn(batch, KV_HEADS, keys, HEAD_DIM, device=dev, dtype=torch.bfloat16))
+        for _ in range(copies_to_exceed_l2(kv_bytes))
+    ]
+
+
+def _widths(record, bw: float, dev) -> None:
+    """Every preset code width against SDPA, all timed back to back (B2B_CALLS calls) and isolated; the contiguous
+    layout at b8_n32k; the host time of one call; TQ4 timed the same way as the reference row."""
+    from flashquant_hf.kernels.paged_decode import paged_decode
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    scale = HEAD_DIM**-0.5
+    widths = [(4, 4), *WIDTH_TARGETS]
+    for (batch, keys, tag, _), col in zip(CONFIGS, range(3)):
+        sdpa_sets = _sdpa_sets(batch, keys, dev)
+        sdpa_fn = lambda s: F.scaled_dot_product_attention(s[0], s[1], s[2], enable_gqa=True)  # noqa: E731
+        sdpa = _back_to_back_ms(sdpa_fn, sdpa_sets)
+        record(f"sdpa_decode_b2b_ms_{tag}", sdpa, "ms")
+        del sdpa_sets
+        torch.cuda.empty_cache()
+        for k_bits, v_bits in widths:
+            name = f"k{k_bits}v{v_bits}_{tag}"
+            ck, cv = _centroids(dev, k_bits), _centroids(dev, v_bits)
+            sets = _paged_sets(batch, keys, BLOCK_SIZE, dev, k_bits, v_bits)
+            paged = lambda s: paged_decode(s[3], s[0], s[1], s[2], ck, cv, k_bits, v_bits, scale,  # noqa: E731
+                                           BLOCK_SIZE, keys)
+            ms = _back_to_back_ms(paged, sets)
+            isolated = _isolated_ms(paged, sets)
+            target = WIDTH_TARGETS.get((k_bits, v_bits))
+            record(f"paged_decode_b2b_ms_{name}", ms, "ms")
+            record(f"paged_decode_isolated_ms_{name}", isolated, "ms")
+            record(f"paged_decode_speedup_{name}", sdpa / ms, "x", f">= {target[col]}" if target else None)
+            tq_bytes = batch * KV_HEADS * keys * _token_bytes(k_bits, v_bits)
+            if tag == "b8_n32k":
+                fraction_target = ">= 0.75" if (k_bits, v_bits) == (3, 3) else None
+                record(f"paged_decode_hbm_fraction_{name}", tq_bytes / (ms * 1e-3) / (bw * 1e9), "fraction",
+                       fraction_target)
+            if tag == "b1_n128k":
+                record(f"paged_decode_b2b_vs_isolated_{name}", ms / isolated, "ratio", "<= 1.15")
+            del sets
+            if tag == "b8_n32k":
+                csets = [(*_contiguous_set(batch, keys, dev, seed, k_bits, v_bits),
+                          torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16))
+                         for seed in range(copies_to_exceed_l2(tq_bytes))]
+                contiguous = lambda s: tq_decode(s[4], s[0], s[1], s[2], s[3], ck, cv, k_bits, v_bits,  # noqa: E731
+                                                 scale)
+                cms = _back_to_back_ms(contiguous, csets)
+                record(f"fused_decode_b2b_ms_{name}", cms, "ms")
+                record(f"fused_decode_vs_paged_{name}", cms / ms, "ratio", "<= 1.10")
+                if (k_bits, v_bits) == (3, 3):
+                    record("decode_host_us_per_call", _cpu_us_per_call(contiguous, csets), "us", "<= 20")
+                del csets
+            torch.cuda.empty_cache()
 
 
 def _set_tuning(dl, warps, prefetch):
@@ -180,16 +291,22 @@ def _set_tuning(dl, warps, prefetch):
 def _plan(dl, index, batch, keys, log2_bs):
     mode = dl.MODE_PAGED if log2_bs is not None else dl.MODE_CONTIGUOUS
     group = Q_HEADS // KV_HEADS
-    return dl._launch_for(mode, HEAD_DIM, 1, index, dl.units_shape(batch, KV_HEADS, group), batch * Q_HEADS, keys,
-                          log2_bs, dl.head_slots(group)).plan
+    return dl._launch_for(mode, HEAD_DIM, 1, (4, 4), index, dl.units_shape(batch, KV_HEADS, group),
+                          batch * Q_HEADS, keys, log2_bs, dl.head_slots(group)).plan
 
 
 def run(record) -> None:
     import flashquant_hf.kernels.decode_launch as dl
+
+    dev = torch.device("cuda")
+    _widths(record, copy_bandwidth_gbs(), dev)
+    _tq4(record, dl, dev)
+
+
+def _tq4(record, dl, dev) -> None:
     from flashquant_hf.kernels.paged_decode import paged_decode
     from flashquant_hf.kernels.merge_partials import launch_merge
 
-    dev = torch.device("cuda")
     index = dev.index or 0
     c = _centroids(dev)
     scale = HEAD_DIM**-0.5
@@ -204,8 +321,8 @@ def run(record) -> None:
     for warps in dl.WARP_CHOICES:
         _set_tuning(dl, warps, dl.PREFETCH_CHUNKS)
         group = Q_HEADS // KV_HEADS
-        setup = dl._launch_for(dl.MODE_PAGED, HEAD_DIM, 1, index, dl.units_shape(8, KV_HEADS, group), 8 * Q_HEADS,
-                               32768, log2_bs, dl.head_slots(group))
+        setup = dl._launch_for(dl.MODE_PAGED, HEAD_DIM, 1, (4, 4), index, dl.units_shape(8, KV_HEADS, group),
+                               8 * Q_HEADS, 32768, log2_bs, dl.head_slots(group))
         sms = dl._sm_count(index)
         print(f"    W={warps}: resident CTAs/SM {setup.plan.slots // sms}, regs {setup.kernel.num_regs}, SMs {sms}")
     grid = [(w, p) for w in dl.WARP_CHOICES for p in (0, 1, 2)]
