@@ -167,14 +167,16 @@ def test_cache_decode_cuda_matches_reference_on_same_bytes(monkeypatch):
     assert (lse.double() - ref_lse.double()).abs().max().item() < 1e-2
 
 
-def test_paged_decode_rejects_other_bits_and_bad_tables():
+def test_paged_decode_rejects_bad_widths_and_tables():
     from flashquant_hf.kernels.paged_decode import paged_decode
 
     blocks, table, lens_t = random_store([10], 16, 2, 128)
     q = torch.randn(1, 4, 128, device=DEV, dtype=torch.bfloat16)
     c = centroids(128)
-    with pytest.raises(NotImplementedError, match="4-bit"):
-        paged_decode(q, blocks, table, lens_t, c, c, 4, 3, 0.1, 16)
+    with pytest.raises(ValueError, match=r"`v_bits` must be one of \(1, 2, 3, 4\)"):
+        paged_decode(q, blocks, table, lens_t, c, c, 4, 0, 0.1, 16)
+    with pytest.raises(ValueError, match="`blocks` must be uint8 of shape"):  # TQ4 blocks read as 4/3-bit codes
+        paged_decode(q, blocks, table, lens_t, c, centroids(128, 3), 4, 3, 0.1, 16)
     with pytest.raises(ValueError, match="`block_table` must be int32"):
         paged_decode(q, blocks, table.long(), lens_t, c, c, 4, 4, 0.1, 16)
     with pytest.raises(ValueError, match="`blocks` must be uint8"):

@@ -213,8 +213,12 @@ def test_tq_decode_validation_errors():
         tq_decode(q[:, :3], k, kn, v, vn, c, c, 4, 4, 0.1)
     with pytest.raises(ValueError, match="head_dim must be one of"):
         tq_decode(q[..., :96], k, kn, v, vn, c, c, 4, 4, 0.1)
-    with pytest.raises(NotImplementedError, match="4-bit"):
+    with pytest.raises(ValueError, match=r"`k_bits` must be one of \(1, 2, 3, 4\)"):
+        tq_decode(q, k, kn, v, vn, c, c, 5, 4, 0.1)
+    with pytest.raises(ValueError, match=r"`k_centroids` must be float32 of shape \[4\]"):
         tq_decode(q, k, kn, v, vn, c, c, 2, 4, 0.1)
+    with pytest.raises(ValueError, match=r"`k_packed` must be uint8 of shape \[1, H_kv, N, 32\]"):
+        tq_decode(q, k, kn, v, vn, centroids(128, 2), c, 2, 4, 0.1)
     with pytest.raises(ValueError, match="`key_bias` must be"):
         tq_decode(q, k, kn, v, vn, c, c, 4, 4, 0.1, key_bias=torch.zeros(1, 11, device=DEV))
 
