@@ -198,152 +198,120 @@ struct Code {
 // the pair c(i) in the low half (the lower mma index), c(j) in the high half; the 8-byte entry of four 1- or 2-bit
 // indices (i0, i1, i2, i3) is the pairs (c(i0), c(i1)) and (c(i2), c(i3)).
 
-// A operands of k-step kk of S^T = K Q^T from one key row's quarter `w`: `lo` = dims 4kk, 4kk + 1 and `hi` = dims
-// 4kk + 2, 4kk + 3 of the lane's quarter (the Q^T fragment holds the same dims).
+// The lookup of the entry at `address` into one register, or (8-byte entries) two.
+__device__ __forceinline__ u32 lookup(const Lut& lut, u32 address) { return lut.load(address); }
+
+// Entry address of byte K (0..3) of `w` (a runtime K that unrolling makes constant).
+__device__ __forceinline__ u32 byte_entry(const Lut& lut, u32 w, int k) {
+  switch (k) {
+    case 0: return lut.byte_address<0>(w);
+    case 1: return lut.byte_address<1>(w);
+    case 2: return lut.byte_address<2>(w);
+    default: return lut.byte_address<3>(w);
+  }
+}
+
+// Entry address of stream nibble q (0..7) of `w`: the high nibble of byte q / 2 for even q.
+__device__ __forceinline__ u32 nibble_entry(const Lut& lut, u32 w, int q) {
+  switch (q) {
+    case 0: return lut.nibble_address<1>(w);
+    case 1: return lut.nibble_address<0>(w);
+    case 2: return lut.nibble_address<3>(w);
+    case 3: return lut.nibble_address<2>(w);
+    case 4: return lut.nibble_address<5>(w);
+    case 5: return lut.nibble_address<4>(w);
+    case 6: return lut.nibble_address<7>(w);
+    default: return lut.nibble_address<6>(w);
+  }
+}
+
+// Entry address of the six-bit field f (0..3, from the top) of a 24-bit group.
+__device__ __forceinline__ u32 field_entry(const Lut& lut, u32 g, int f) {
+  switch (f) {
+    case 0: return lut.field_address<18>(g);
+    case 1: return lut.field_address<12>(g);
+    case 2: return lut.field_address<6>(g);
+    default: return lut.field_address<0>(g);
+  }
+}
+
+// A operands of k-step kk of S^T = K Q^T from the quarters `w0`, `w1` of the lane's two key rows: a0 / a1 = dims
+// 4kk, 4kk + 1 of rows 0 / 1 (A rows g, g + 8), a2 / a3 = dims 4kk + 2, 4kk + 3 (the Q^T fragment holds the same
+// dims).
 template <int B, int D>
-__device__ __forceinline__ void key_operands(const Lut& lut, const u32 (&w)[Code<B, D>::kKeyWords], int kk, u32& lo,
-                                             u32& hi) {
+__device__ __forceinline__ void key_operands(const Lut& lut, const u32 (&w0)[Code<B, D>::kKeyWords],
+                                             const u32 (&w1)[Code<B, D>::kKeyWords], int kk, u32& a0, u32& a1,
+                                             u32& a2, u32& a3) {
   if constexpr (B == 4) {  // bytes 2kk, 2kk + 1
-    const u32 x = w[kk >> 1];
-    if (kk & 1) {
-      lo = lut.load(lut.byte_address<2>(x));
-      hi = lut.load(lut.byte_address<3>(x));
-    } else {
-      lo = lut.load(lut.byte_address<0>(x));
-      hi = lut.load(lut.byte_address<1>(x));
-    }
+    const int i = kk >> 1, k = 2 * (kk & 1);
+    a0 = lookup(lut, byte_entry(lut, w0[i], k));
+    a1 = lookup(lut, byte_entry(lut, w1[i], k));
+    a2 = lookup(lut, byte_entry(lut, w0[i], k + 1));
+    a3 = lookup(lut, byte_entry(lut, w1[i], k + 1));
+  } else if constexpr (B == 3) {  // group kk / 2, fields 2 (kk % 2) and the next
+    const u32 g0 = group24(w0, kk >> 1), g1 = group24(w1, kk >> 1);
+    const int f = 2 * (kk & 1);
+    a0 = lookup(lut, field_entry(lut, g0, f));
+    a1 = lookup(lut, field_entry(lut, g1, f));
+    a2 = lookup(lut, field_entry(lut, g0, f + 1));
+    a3 = lookup(lut, field_entry(lut, g1, f + 1));
   } else if constexpr (B == 2) {  // byte kk: both pairs in one 8-byte entry
-    const u32 x = w[kk >> 2];
-    switch (kk & 3) {
-      case 0: lut.load2(lut.byte_address<0>(x), lo, hi); break;
-      case 1: lut.load2(lut.byte_address<1>(x), lo, hi); break;
-      case 2: lut.load2(lut.byte_address<2>(x), lo, hi); break;
-      default: lut.load2(lut.byte_address<3>(x), lo, hi); break;
-    }
-  } else if constexpr (B == 1) {  // the high (even kk) or low nibble of byte kk / 2: both pairs in one entry
-    const u32 x = w[kk >> 3];
-    switch (kk & 7) {  // nibble 2 * (byte in word) + 1 is the byte's high nibble
-      case 0: lut.load2(lut.nibble_address<1>(x), lo, hi); break;
-      case 1: lut.load2(lut.nibble_address<0>(x), lo, hi); break;
-      case 2: lut.load2(lut.nibble_address<3>(x), lo, hi); break;
-      case 3: lut.load2(lut.nibble_address<2>(x), lo, hi); break;
-      case 4: lut.load2(lut.nibble_address<5>(x), lo, hi); break;
-      case 5: lut.load2(lut.nibble_address<4>(x), lo, hi); break;
-      case 6: lut.load2(lut.nibble_address<7>(x), lo, hi); break;
-      default: lut.load2(lut.nibble_address<6>(x), lo, hi); break;
-    }
-  } else {  // group kk / 2: fields at bits 18, 12 (even kk) or 6, 0 (odd kk)
-    const u32 g = group24(w, kk >> 1);
-    if (kk & 1) {
-      lo = lut.load(lut.field_address<6>(g));
-      hi = lut.load(lut.field_address<0>(g));
-    } else {
-      lo = lut.load(lut.field_address<18>(g));
-      hi = lut.load(lut.field_address<12>(g));
-    }
+    lut.load2(byte_entry(lut, w0[kk >> 2], kk & 3), a0, a2);
+    lut.load2(byte_entry(lut, w1[kk >> 2], kk & 3), a1, a3);
+  } else {  // stream nibble kk: both pairs in one 8-byte entry
+    lut.load2(nibble_entry(lut, w0[kk >> 3], kk & 7), a0, a2);
+    lut.load2(nibble_entry(lut, w1[kk >> 3], kk & 7), a1, a3);
   }
 }
 
 // The value side of one tile for one lane: the four value rows (keys of columns 2t, 2t + 1 in rows 0, 1 and of
-// columns 2t + 8, 2t + 9 in rows 2, 3), merged per key pair so that a lookup returns one dim of two keys.
-// operands(q, a) fills the A operands of two consecutive operand indices i = 2q and 2q + 1; index i covers dims
-// 2i (A row g) and 2i + 1 (A row g + 8) of the lane's eighth:
-//   a[h][0] = dim 2i of the keys of columns 2t, 2t + 1      a[h][1] = dim 2i + 1 of the same keys
-//   a[h][2] = dim 2i of the keys of columns 2t + 8, 2t + 9  a[h][3] = dim 2i + 1 of the same keys   (i = 2q + h)
+// columns 2t + 8, 2t + 9 in rows 2, 3), merged per key pair so that a lookup returns one dim of two keys. Operand
+// index i covers dims 2i (A row g) and 2i + 1 (A row g + 8) of the lane's eighth; key pair 0 is columns 2t, 2t + 1,
+// key pair 1 columns 2t + 8, 2t + 9.
+//   pair(lut, p, i, x, y): x = dim 2i, y = dim 2i + 1 of key pair p (3- and 4-bit codes, one lookup each)
+//   pairs(lut, p, q, o):   o[h][0], o[h][1] = the same for i = 2q + h (1- and 2-bit codes: one 8-byte lookup gives
+//                          both indices)
 template <int B, int D>
 struct ValueOperands {
   using C = Code<B, D>;
   static constexpr int kMerged = B == 3 ? D / 64 : C::kValueWords;  // 3 bits: 24-bit groups; else words
-  // x: the first index of each pair of dims (dims 2i) of both keys, y: the second (dims 2i + 1); a / b: key pairs
-  u32 xa[kMerged], ya[kMerged], xb[kMerged], yb[kMerged];
+  // x: the first index of each pair of dims (dims 2i) of both keys of a pair, y: the second (dims 2i + 1)
+  u32 x[2][kMerged], y[2][kMerged];
 
   __device__ __forceinline__ ValueOperands(const u32 (&v)[4][C::kValueWords]) {
     constexpr u32 kMask = B == 4 ? 0xF0F0F0F0u : B == 2 ? 0xCCCCCCCCu : B == 1 ? 0xAAAAAAAAu : 0x00E38E38u;
 #pragma unroll
     for (int m = 0; m < kMerged; ++m) {
-      u32 r[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) r[i] = B == 3 ? group24(v[i], m) : v[i][m];
-      xa[m] = select_bits(r[0], r[1] >> B, kMask);
-      ya[m] = select_bits(r[0] << B, r[1], kMask);
-      xb[m] = select_bits(r[2], r[3] >> B, kMask);
-      yb[m] = select_bits(r[2] << B, r[3], kMask);
+      for (int p = 0; p < 2; ++p) {
+        const u32 r0 = B == 3 ? group24(v[2 * p], m) : v[2 * p][m];
+        const u32 r1 = B == 3 ? group24(v[2 * p + 1], m) : v[2 * p + 1][m];
+        x[p][m] = select_bits(r0, r1 >> B, kMask);
+        y[p][m] = select_bits(r0 << B, r1, kMask);
+      }
     }
   }
 
-  __device__ __forceinline__ void operands(const Lut& lut, int q, u32 (&a)[2][4]) const {
+  __device__ __forceinline__ void pair(const Lut& lut, int p, int i, u32& xi, u32& yi) const {
+    static_assert(B >= 3, "1- and 2-bit codes look up two indices at once (pairs)");
     if constexpr (B == 4) {  // index i is byte i of x / y
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = 2 * q + h;
-        a[h][0] = byte_lookup(lut, xa[i >> 2], i & 3);
-        a[h][1] = byte_lookup(lut, ya[i >> 2], i & 3);
-        a[h][2] = byte_lookup(lut, xb[i >> 2], i & 3);
-        a[h][3] = byte_lookup(lut, yb[i >> 2], i & 3);
-      }
-    } else if constexpr (B == 2) {  // byte q of x holds dims 4q and 4q + 2 (= 2i for i = 2q, 2q + 1), of y the next
-      wide_lookup(lut, xa[q >> 2], q & 3, a[0][0], a[1][0]);
-      wide_lookup(lut, ya[q >> 2], q & 3, a[0][1], a[1][1]);
-      wide_lookup(lut, xb[q >> 2], q & 3, a[0][2], a[1][2]);
-      wide_lookup(lut, yb[q >> 2], q & 3, a[0][3], a[1][3]);
-    } else if constexpr (B == 1) {  // nibble q of x (high nibble of byte q / 2 first) holds dims 4q and 4q + 2
-      wide_nibble_lookup(lut, xa[q >> 3], q & 7, a[0][0], a[1][0]);
-      wide_nibble_lookup(lut, ya[q >> 3], q & 7, a[0][1], a[1][1]);
-      wide_nibble_lookup(lut, xb[q >> 3], q & 7, a[0][2], a[1][2]);
-      wide_nibble_lookup(lut, yb[q >> 3], q & 7, a[0][3], a[1][3]);
-    } else {  // group q / 2 holds indices 4 (q % 2) .. + 1 at field positions 18 - 6 f
-      const int m = q >> 1;
-      if (q & 1) {
-        field_pair<6, 0>(lut, m, a);
-      } else {
-        field_pair<18, 12>(lut, m, a);
-      }
+      xi = lookup(lut, byte_entry(lut, x[p][i >> 2], i & 3));
+      yi = lookup(lut, byte_entry(lut, y[p][i >> 2], i & 3));
+    } else {  // group i / 4, field i % 4
+      xi = lookup(lut, field_entry(lut, x[p][i >> 2], i & 3));
+      yi = lookup(lut, field_entry(lut, y[p][i >> 2], i & 3));
     }
   }
 
- private:
-  __device__ __forceinline__ static u32 byte_lookup(const Lut& lut, u32 w, int k) {
-    switch (k) {
-      case 0: return lut.load(lut.byte_address<0>(w));
-      case 1: return lut.load(lut.byte_address<1>(w));
-      case 2: return lut.load(lut.byte_address<2>(w));
-      default: return lut.load(lut.byte_address<3>(w));
+  __device__ __forceinline__ void pairs(const Lut& lut, int p, int q, u32 (&o)[2][2]) const {
+    static_assert(B <= 2, "3- and 4-bit codes look up one index at a time (pair)");
+    if constexpr (B == 2) {  // byte q of x holds dims 4q and 4q + 2 (= 2i for i = 2q, 2q + 1), of y the next ones
+      lut.load2(byte_entry(lut, x[p][q >> 2], q & 3), o[0][0], o[1][0]);
+      lut.load2(byte_entry(lut, y[p][q >> 2], q & 3), o[0][1], o[1][1]);
+    } else {  // stream nibble q of x holds dims 4q and 4q + 2
+      lut.load2(nibble_entry(lut, x[p][q >> 3], q & 7), o[0][0], o[1][0]);
+      lut.load2(nibble_entry(lut, y[p][q >> 3], q & 7), o[0][1], o[1][1]);
     }
-  }
-
-  __device__ __forceinline__ static void wide_lookup(const Lut& lut, u32 w, int k, u32& lo, u32& hi) {
-    switch (k) {
-      case 0: lut.load2(lut.byte_address<0>(w), lo, hi); break;
-      case 1: lut.load2(lut.byte_address<1>(w), lo, hi); break;
-      case 2: lut.load2(lut.byte_address<2>(w), lo, hi); break;
-      default: lut.load2(lut.byte_address<3>(w), lo, hi); break;
-    }
-  }
-
-  // Nibble q of the slice: the high nibble of byte q / 2 for even q (nibble 2 * (byte in word) + 1 of the word).
-  __device__ __forceinline__ static void wide_nibble_lookup(const Lut& lut, u32 w, int q, u32& lo, u32& hi) {
-    switch (q) {
-      case 0: lut.load2(lut.nibble_address<1>(w), lo, hi); break;
-      case 1: lut.load2(lut.nibble_address<0>(w), lo, hi); break;
-      case 2: lut.load2(lut.nibble_address<3>(w), lo, hi); break;
-      case 3: lut.load2(lut.nibble_address<2>(w), lo, hi); break;
-      case 4: lut.load2(lut.nibble_address<5>(w), lo, hi); break;
-      case 5: lut.load2(lut.nibble_address<4>(w), lo, hi); break;
-      case 6: lut.load2(lut.nibble_address<7>(w), lo, hi); break;
-      default: lut.load2(lut.nibble_address<6>(w), lo, hi); break;
-    }
-  }
-
-  template <int S0, int S1>
-  __device__ __forceinline__ void field_pair(const Lut& lut, int m, u32 (&a)[2][4]) const {
-    a[0][0] = lut.load(lut.field_address<S0>(xa[m]));
-    a[0][1] = lut.load(lut.field_address<S0>(ya[m]));
-    a[0][2] = lut.load(lut.field_address<S0>(xb[m]));
-    a[0][3] = lut.load(lut.field_address<S0>(yb[m]));
-    a[1][0] = lut.load(lut.field_address<S1>(xa[m]));
-    a[1][1] = lut.load(lut.field_address<S1>(ya[m]));
-    a[1][2] = lut.load(lut.field_address<S1>(xb[m]));
-    a[1][3] = lut.load(lut.field_address<S1>(yb[m]));
   }
 };
 

@@ -564,8 +564,7 @@ __device__ __forceinline__ void tile_scores(float (&s)[T::kTiles][T::kScores], c
 #pragma unroll
     for (int kk = 0; kk < T::kSteps; ++kk) {
       u32 a0, a1, a2, a3;  // rows g / g + 8 (keys kr, kr + 8) x dims 4kk + {0, 1} / {2, 3} of the lane's quarter
-      key_operands<T::kKeyBits, T::D>(lut_k, tiles[j].k[0], kk, a0, a2);
-      key_operands<T::kKeyBits, T::D>(lut_k, tiles[j].k[1], kk, a1, a3);
+      key_operands<T::kKeyBits, T::D>(lut_k, tiles[j].k[0], tiles[j].k[1], kk, a0, a1, a2, a3);
       mma16816<true>(acc_qk[kk % kQKChains], a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
     }
     float raw[4];
@@ -663,13 +662,25 @@ __device__ __forceinline__ void accumulate_pv(WarpState<T>& st, const float (&p)
       // P (keys x heads) rows g and g+8 -> P^T fragments (keys 2t,2t+1 / 2t+8,2t+9 of head g).
       const u32 b0 = transpose8x8(pack2<F16PV>(p0 * v0, p1 * v0));
       const u32 b1 = transpose8x8(pack2<F16PV>(p2 * v1, p3 * v1));
+      if constexpr (T::ValueCode::kWide) {
 #pragma unroll
-      for (int q = 0; q < T::kPVTiles / 2; ++q) {
-        // m-tiles 2q and 2q + 1: rows g / g+8 of m-tile m are dims (D/8)g + 2m and the next one
-        u32 a[2][4];
-        values.operands(lut_v, q, a);
-        mma16816<F16PV>(st.acc[2 * q], a[0][0], a[0][1], a[0][2], a[0][3], b0, b1);
-        mma16816<F16PV>(st.acc[2 * q + 1], a[1][0], a[1][1], a[1][2], a[1][3], b0, b1);
+        for (int q = 0; q < T::kPVTiles / 2; ++q) {
+          // m-tiles 2q and 2q + 1: rows g / g+8 of m-tile m are dims (D/8)g + 2m and the next one
+          u32 a[2][2], c[2][2];
+          values.pairs(lut_v, 0, q, a);
+          values.pairs(lut_v, 1, q, c);
+          mma16816<F16PV>(st.acc[2 * q], a[0][0], a[0][1], c[0][0], c[0][1], b0, b1);
+          mma16816<F16PV>(st.acc[2 * q + 1], a[1][0], a[1][1], c[1][0], c[1][1], b0, b1);
+        }
+      } else {
+#pragma unroll
+        for (int m = 0; m < T::kPVTiles; ++m) {
+          // rows g / g+8 of m-tile m: dims (D/8)g + 2m and the next one
+          u32 a0, a1, a2, a3;
+          values.pair(lut_v, 0, m, a0, a1);
+          values.pair(lut_v, 1, m, a2, a3);
+          mma16816<F16PV>(st.acc[m], a0, a1, a2, a3, b0, b1);
+        }
       }
     } else {
       // 4 head slots: column 2h + j' of an mma is half j' of head h's output dims, and its 16 contraction rows are
@@ -686,10 +697,21 @@ __device__ __forceinline__ void accumulate_pv(WarpState<T>& st, const float (&p)
 #pragma unroll
       for (int m = 0; m < T::kPVTiles; ++m) {
         // rows g / g+8 of m-tile m, half j': dims (D/8)g + 4m + 2j' and the next one (operand index 2m + j')
-        u32 a[2][4];
-        values.operands(lut_v, m, a);
+        u32 a[2][2], c[2][2];
+        if constexpr (T::ValueCode::kWide) {
+          values.pairs(lut_v, 0, m, a);
+        } else {
+          values.pair(lut_v, 0, 2 * m, a[0][0], a[0][1]);
+          values.pair(lut_v, 0, 2 * m + 1, a[1][0], a[1][1]);
+        }
         mma16816<F16PV>(st.acc[m], a[0][0], a[0][1], a[1][0], a[1][1], lo & even_g, lo & ~even_g);
-        mma16816<F16PV>(st.acc[m], a[0][2], a[0][3], a[1][2], a[1][3], hi & even_g, hi & ~even_g);
+        if constexpr (T::ValueCode::kWide) {
+          values.pairs(lut_v, 1, m, c);
+        } else {
+          values.pair(lut_v, 1, 2 * m, c[0][0], c[0][1]);
+          values.pair(lut_v, 1, 2 * m + 1, c[1][0], c[1][1]);
+        }
+        mma16816<F16PV>(st.acc[m], c[0][0], c[0][1], c[1][0], c[1][1], hi & even_g, hi & ~even_g);
       }
     }
   }
