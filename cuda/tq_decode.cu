@@ -233,11 +233,13 @@ __device__ __forceinline__ void build_tables(unsigned char* smem, float centroid
   // per 16-byte store).
   using K = typename T::KeyCode;
   using V = typename T::ValueCode;
-  constexpr int kEntries = T::kLutBlock / 256;
+  constexpr int kEntries = T::kLutBlock / 256;  // a power of two: 16, 64 or 256
+  constexpr int kEntriesLog2 = kEntries == 256 ? 8 : kEntries == 64 ? 6 : 4;
+  static_assert(kEntries == 1 << kEntriesLog2, "table entries are a power of two");
   const int rot = threadIdx.x & 7;
   for (int i = threadIdx.x; i < 2 * kEntries; i += T::kThreads) {
     // i advances by whole warps, so the warp is converged at the shuffles.
-    const int tab = i / kEntries, e = i - tab * kEntries;
+    const int tab = i >> kEntriesLog2, e = i & (kEntries - 1);
     const int bits = K::kBits == V::kBits ? K::kBits : (tab ? V::kBits : K::kBits);
     const int entries = K::kEntries == V::kEntries ? kEntries : (tab ? V::kEntries : K::kEntries);
     const int idx = e & (entries - 1);
@@ -257,7 +259,7 @@ __device__ __forceinline__ void build_tables(unsigned char* smem, float centroid
     } else {
       copies = make_uint4(lo, lo, lo, lo);
     }
-    if (e >= entries) continue;
+    if (entries < kEntries && e >= entries) continue;  // the narrower table of mixed widths
     unsigned char* const row = table + e * 256 + tab * 128;
 #pragma unroll
     for (int k = 0; k < 8; ++k) *reinterpret_cast<uint4*>(row + ((rot + k) & 7) * 16) = copies;

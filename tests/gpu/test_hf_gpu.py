@@ -56,9 +56,11 @@ def test_compressed_generate_runs_on_kernels(monkeypatch):
     """Every token compressed: generation runs end to end through the kernels and stays close to bf16 greedy."""
     monkeypatch.setenv("FLASHQUANT_BACKEND", "cuda")
     model = _tiny_llama(128)
-    ids = torch.randint(0, 512, (1, 64), device="cuda")
+    ids = torch.randint(0, 512, (1, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
     cache = TurboQuantCache(residual_length=0)
-    out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    # min_new_tokens: the random model's greedy token may be its eos id, which would end generation early.
+    out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                         pad_token_id=0)
     assert out.shape == (1, 80)
     assert cache.get_seq_length() == 79
 
