@@ -18,6 +18,7 @@ import torch.distributed as dist
 import transformers
 from transformers import DynamicCache
 
+import flashquant_hf
 from flashquant_hf import TurboQuantCache
 from flashquant_hf.cache import cache_kwargs
 
@@ -56,7 +57,9 @@ def launch(runner: str, model_dir: Path, prompt: torch.Tensor, steps: int, work_
     "cuda": NCCL, one GPU each) over the model saved in ``model_dir`` and return rank 0's results."""
     torch.save(prompt, work_dir / "prompt.pt")
     here = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    # The ranks import the flashquant_hf this process runs (a checkout, or an installed wheel).
+    package_root = Path(flashquant_hf.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(package_root)])}
     if device == "cpu":
         env["OMP_NUM_THREADS"] = "1"
     cmd = [runner, "--standalone", "--nproc_per_node", "2", str(Path(__file__).resolve()), str(model_dir),

@@ -12,17 +12,32 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.resources
 import re
 import struct
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
-CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+
+def _cuda_dir() -> Traversable:
+    """The kernel sources: package ``flashquant_hf.cuda`` of an installed wheel (the repository's ``cuda/``
+    shipped inside it), else ``cuda/`` of the checkout this package is imported from (editable install or
+    ``PYTHONPATH``), which has no such package."""
+    try:
+        return importlib.resources.files("flashquant_hf.cuda")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "cuda"
+
+
+CUDA_DIR = _cuda_dir()
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 NVRTC_OPTIONS = ("-std=c++17",)
 
@@ -31,7 +46,7 @@ def cuda_source(name: str, _seen: frozenset[str] = frozenset()) -> str:
     """Source of ``cuda/<name>`` with its local includes inlined (each header once)."""
     path = CUDA_DIR / name
     if not path.is_file():
-        raise FileNotFoundError(f"CUDA source {path} not found (is flashquant-hf installed from a checkout?)")
+        raise FileNotFoundError(f"CUDA source {name} not found in {CUDA_DIR}")
     seen = _seen | {name}
 
     def inline(match: re.Match) -> str:
