@@ -1,4 +1,5 @@
-"""The ``flashquant-hf`` console command: ``ppl`` (decode-faithful perplexity) and ``bench`` (GPU benchmarks)."""
+"""The ``flashquant-hf`` console command: ``ppl`` (decode-faithful perplexity), ``niah`` (pass-key retrieval) and
+``bench`` (GPU benchmarks)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Sequence
 
 from .eval.command import add_ppl_arguments, run_guarded, run_ppl
 from .eval.errors import EvalInputError
+from .eval.niah_command import add_niah_arguments, run_niah
 
 PROG = "flashquant-hf"
 
@@ -54,15 +56,19 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``flashquant-hf`` parser with its two subcommands."""
+    """The ``flashquant-hf`` parser with its three subcommands."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="TurboQuant KV cache for HuggingFace transformers: perplexity evaluation and GPU benchmarks.",
+        description="TurboQuant KV cache for HuggingFace transformers: perplexity and retrieval evaluation, GPU "
+        "benchmarks.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{ppl,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{ppl,niah,bench}")
     ppl = sub.add_parser("ppl", help="decode-faithful perplexity of DynamicCache vs TurboQuant configurations")
     add_ppl_arguments(ppl)
     ppl.set_defaults(func=run_ppl)
+    niah = sub.add_parser("niah", help="needle-in-a-haystack (pass-key) retrieval accuracy per length and depth")
+    add_niah_arguments(niah)
+    niah.set_defaults(func=run_niah)
     bench = sub.add_parser(
         "bench", help="GPU tests and kernel benchmarks (benchmarks/run_gpu.py; needs a CUDA GPU)",
         description="Run benchmarks/run_gpu.py from the source checkout: every GPU test, then every benchmark; "

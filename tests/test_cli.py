@@ -90,6 +90,11 @@ def test_text_shorter_than_window(smollm2, capsys, tmp_path):
     _one_line_error(capsys, rc, "fewer than `--prefix` + `--tokens` = 64 + 16 = 80")
 
 
+def test_window_longer_than_the_model_context(smollm2, capsys):
+    rc = main(["ppl", "--prefix", "8000", "--tokens", "400", "--no-progress"])
+    _one_line_error(capsys, rc, "`--prefix` + `--tokens` = 8400 tokens is longer than the model's context of 8192")
+
+
 @pytest.mark.parametrize(
     "spec,needle", [("bits=5", "bits"), ("tq7", "unknown"), ("bits=4,wings=2", "unknown field 'wings'")]
 )

@@ -26,7 +26,9 @@ EPILOG = (
 )
 
 
-def _positive(minimum: int):
+def positive_int(minimum: int):
+    """An argparse type: an integer >= ``minimum``."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -50,9 +52,9 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     source.add_argument("--dataset", metavar="NAME[:CONFIG]",
                         help="a HuggingFace dataset through `datasets`, e.g. wikitext-2 or wikitext:wikitext-2-raw-v1")
     parser.add_argument("--split", default="test", help="dataset split (default: test)")
-    parser.add_argument("--prefix", type=_positive(1), default=DEFAULT_PREFIX,
+    parser.add_argument("--prefix", type=positive_int(1), default=DEFAULT_PREFIX,
                         help=f"prefilled tokens (default: {DEFAULT_PREFIX})")
-    parser.add_argument("--tokens", type=_positive(2), default=DEFAULT_TOKENS,
+    parser.add_argument("--tokens", type=positive_int(2), default=DEFAULT_TOKENS,
                         help=f"scored tokens, one decode step each (default: {DEFAULT_TOKENS})")
     parser.add_argument("--config", action="append", metavar="SPEC", dest="configs",
                         help="a cache configuration to evaluate (repeatable; see below)")
@@ -61,7 +63,7 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--threads", type=_positive(1), metavar="N",
+    parser.add_argument("--threads", type=positive_int(1), metavar="N",
                         help="CPU threads for torch (default: torch's own choice)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a perplexity bar chart (PNG)")
@@ -71,7 +73,7 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def run_ppl(args: argparse.Namespace) -> int:
     """Run the ``ppl`` command; EvalInputError for bad input (raised before the model loads where possible)."""
-    from .loading import load_model, resolve_device, resolve_dtype
+    from .loading import check_context, load_model, resolve_device, resolve_dtype
     from .report import check_writable, format_table, payload, save_plot, write_json
     from .runner import evaluate
     from .text import load_text, token_window
@@ -92,6 +94,7 @@ def run_ppl(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device, dtype)
+    check_context(model, args.prefix + args.tokens, "`--prefix` + `--tokens`")
     input_ids = token_window(tokenizer, text, args.prefix, args.tokens)
     rows = evaluate(model, input_ids, args.prefix, specs, seeds=args.seeds, progress=not args.no_progress)
     wall_s = time.perf_counter() - started

@@ -64,3 +64,10 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     except (OSError, ValueError, EnvironmentError) as err:
         raise EvalInputError(f"could not load `--model` {name!r}: {_first_line(err)}") from None
     return model.to(device).eval(), tokenizer
+
+
+def check_context(model, tokens: int, what: str) -> None:
+    """EvalInputError when ``tokens`` positions exceed the model's trained context (``max_position_embeddings``)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and tokens > limit:
+        raise EvalInputError(f"{what} = {tokens} tokens is longer than the model's context of {limit} tokens")

@@ -72,7 +72,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _forward_kwargs(model, cache) -> tuple[dict, dict]:
+def forward_kwargs(model, cache) -> tuple[dict, dict]:
     """The cache keyword this transformers version takes, plus ``logits_to_keep`` where supported."""
     try:
         params = inspect.signature(model.forward).parameters
@@ -112,7 +112,7 @@ def decode_perplexity(model, input_ids: torch.Tensor, prefix: int, cache, progre
         raise ValueError(f"`prefix` must be in [1, {total - 2}] for {total} tokens, got {prefix}")
     device = model.device
     ids = input_ids.to(device)
-    kwargs, prefill_extra = _forward_kwargs(model, cache)
+    kwargs, prefill_extra = forward_kwargs(model, cache)
     nlls = []
 
     _sync(device)
