@@ -26,4 +26,6 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _torch_threads():
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    # Under pytest-xdist the workers share the cores: one thread each keeps them from oversubscribing.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))
