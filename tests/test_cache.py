@@ -102,7 +102,7 @@ def test_tokens_go_to_sinks_then_window_then_store(residual, sinks, chunks, expe
     assert torch.equal(kp, ref.indices) and torch.allclose(kn, ref.norms, rtol=1e-6, atol=0)
 
 
-def test_store_grows_geometrically_not_per_token():
+def test_store_grows_in_blocks_of_32_tokens():
     layer = _layer(residual_length=0)
     _fill(layer, [5])
     capacities = [layer.store.capacity]
@@ -111,15 +111,23 @@ def test_store_grows_geometrically_not_per_token():
         if layer.store.capacity != capacities[-1]:
             capacities.append(layer.store.capacity)
     assert layer.num_compressed == 605
-    assert len(capacities) <= 16, capacities  # x1.25 per regrowth: 16 -> 605 takes ~15 steps, not 600
-    assert all(b >= 1.2 * a for a, b in zip(capacities, capacities[1:]))
-    assert layer.store.capacity <= 1.25 * 605 + 16
+    assert capacities == list(range(32, 608 + 1, 32))  # one growth per 32 tokens, never more than 31 spare
 
 
-def test_first_allocation_is_tight_with_a_little_headroom():
+def test_first_allocation_is_the_prefill_rounded_up_to_a_block():
     layer = _layer(residual_length=0)
-    _fill(layer, [1024])
-    assert 1024 < layer.store.capacity <= 1024 * 1.02 + 16
+    _fill(layer, [1000])
+    assert layer.store.capacity == 1024
+
+
+def test_exact_window_is_allocated_as_it_fills():
+    layer = _layer(residual_length=128, window_block=64)
+    _fill(layer, [5, 1, 1])
+    assert layer.window.capacity == 7
+    _fill(layer, [300], seed=9)  # the window keeps 128 + (307 - 128) % 64 tokens, at most 128 + 63
+    assert layer.num_window == 179 and layer.window.capacity == 179
+    _fill(layer, [1] * 13, seed=10)  # 191 exact tokens, then a block of 64 leaves: the capacity stays the most held
+    assert layer.num_window == 128 and layer.window.capacity == 191
 
 
 def test_window_block_compresses_whole_blocks():
