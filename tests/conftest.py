@@ -1,4 +1,5 @@
 import os
+import zlib
 
 import pytest
 import torch
@@ -27,3 +28,24 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _torch_threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A seed fixed by the test's id: the same on every run and in every xdist worker, different per parameter."""
+    return zlib.crc32(request.node.nodeid.encode())
+
+
+@pytest.fixture(autouse=True)
+def _seeded_global_rng(seed):
+    """What still draws from torch's global RNG (model initialisation, sampling in generate) draws from the test's
+    seed, and the state it found is restored: results do not depend on which tests ran before."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    """A CPU generator seeded by the test's id."""
+    return torch.Generator().manual_seed(seed)

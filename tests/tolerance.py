@@ -1,0 +1,63 @@
+"""Dtype-relative tolerances for the kernel tests (flash-attention's rule).
+
+A kernel's largest error against float64 may be at most ``FACTOR`` times the largest error of the same math done by
+PyTorch in the dtype the kernel computes in, and never needs to be smaller than one unit in the last place of that
+dtype at the result's largest magnitude (the floor: PyTorch's own error can be zero by luck, e.g. for one key).
+
+>>> a, b = torch.randn(64, 64, dtype=torch.float64), torch.randn(64, 64, dtype=torch.float64)
+>>> in_bf16 = (a.bfloat16() @ b.bfloat16()).double()
+>>> assert_within_dtype_error(kernel(a, b), a @ b, in_bf16, torch.bfloat16)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+
+FACTOR = 2.0
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor, where: torch.Tensor | None = None) -> float:
+    """Largest ``|actual - expected|`` in float64 over ``where`` (default: every entry); inf where ``actual`` is
+    not finite (a NaN left by an unwritten output must fail, not vanish from a max)."""
+    if actual.shape != expected.shape:
+        raise ValueError(f"`actual` has shape {list(actual.shape)}, `expected` {list(expected.shape)}")
+    diff = (actual.double() - expected.double()).abs()
+    if where is not None:
+        diff = diff[where]
+    if diff.numel() == 0:
+        return 0.0
+    return float(torch.nan_to_num(diff, nan=float("inf")).max())
+
+
+def ulp_floor(expected: torch.Tensor, dtype: torch.dtype, where: torch.Tensor | None = None) -> float:
+    """One unit in the last place of ``dtype`` at the largest finite ``|expected|`` (over ``where``)."""
+    values = expected.double().abs()
+    if where is not None:
+        values = values[where]
+    values = values[torch.isfinite(values)]
+    largest = float(values.max()) if values.numel() else 0.0
+    return torch.finfo(dtype).eps * largest
+
+
+def dtype_error_bound(torch_result: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype,
+                      where: torch.Tensor | None = None, floor: float | None = None) -> float:
+    """``FACTOR`` x PyTorch's largest error in ``dtype`` against ``exact``, at least ``floor`` (default: one ulp of
+    ``dtype`` at the largest ``|exact|``)."""
+    floor = ulp_floor(exact, dtype, where) if floor is None else floor
+    return max(FACTOR * max_error(torch_result, exact, where), floor)
+
+
+def assert_within_dtype_error(actual: torch.Tensor, exact: torch.Tensor, torch_result: torch.Tensor,
+                              dtype: torch.dtype, what: str = "output", where: torch.Tensor | None = None,
+                              floor: float | None = None) -> float:
+    """Assert ``max_error(actual, exact) <= dtype_error_bound(torch_result, exact, dtype)``; returns the error.
+
+    ``torch_result`` is the same math evaluated by PyTorch in ``dtype``; ``exact`` the float64 result.
+    """
+    error = max_error(actual, exact, where)
+    bound = dtype_error_bound(torch_result, exact, dtype, where, floor)
+    print(f"{what}: max error {error:.3e}, bound {bound:.3e} ({FACTOR:g} x PyTorch in {dtype}, floor included)")
+    assert error <= bound, (f"{what}: max error {error:.3e} against float64 exceeds {bound:.3e}, {FACTOR:g} x the "
+                            f"error of PyTorch computing the same in {dtype}")
+    return error
+
