@@ -61,3 +61,19 @@ def assert_within_dtype_error(actual: torch.Tensor, exact: torch.Tensor, torch_r
                             f"error of PyTorch computing the same in {dtype}")
     return error
 
+
+
+def assert_attention_within_dtype_error(result, exact, in_dtype, dtype: torch.dtype, label: str = "") -> None:
+    """A kernel's attention ``result`` (out, lse) against the float64 ``exact`` (out, lse) and PyTorch's ``in_dtype``
+    (out, lse) computed in ``dtype``: out finite; the same rows see no key (lse -inf, out 0); out and lse within
+    the dtype bound (lse over the rows that see keys).
+
+    out: shape [..., D]; lse: shape [...] (the leading shapes agree).
+    """
+    (out, lse), (exact_out, exact_lse), (torch_out, torch_lse) = result, exact, in_dtype
+    assert torch.isfinite(out).all(), f"{label}: NaN/Inf in out"
+    seen = torch.isfinite(exact_lse)
+    assert torch.equal(torch.isfinite(lse), seen), f"{label}: the rows of lse that are -inf differ"
+    assert torch.all(lse[~seen] == float("-inf")) and torch.all(out[~seen] == 0), f"{label}: rows without keys"
+    assert_within_dtype_error(out, exact_out, torch_out, dtype, f"{label} out")
+    assert_within_dtype_error(lse, exact_lse, torch_lse, dtype, f"{label} lse", where=seen)
