@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 
 
-def attention_in_dtype(query, keys, values, scale, bias=None, dtype=torch.float64, softcap=None):
+def attention_in_dtype(query, keys, values, scale, bias=None, dtype=torch.float64, softcap=None, causal=False):
     """Attention as PyTorch's fused SDPA computes it in ``dtype``: inputs rounded to ``dtype``; float32 scores,
     softmax and log-sum-exp (float64 when ``dtype`` is); probabilities and output rounded to ``dtype``.
 
     query: shape [B, Hq, Lq, D]; keys, values: shape [B, H_kv, N, D] (Hq a multiple of H_kv); bias: additive, any
-    shape that broadcasts to [B, Hq, Lq, N]. Returns (out [B, Hq, Lq, D] of ``dtype``, lse [B, Hq, Lq]); a row whose
-    keys are all masked gets out 0 and lse -inf.
+    shape that broadcasts to [B, Hq, Lq, N]; causal: query i sees key j iff j <= N - Lq + i. Returns (out
+    [B, Hq, Lq, D] of ``dtype``, lse [B, Hq, Lq]); a row whose keys are all masked gets out 0 and lse -inf.
     """
     accumulate = torch.float64 if dtype == torch.float64 else torch.float32
     group = query.shape[1] // keys.shape[1]
@@ -22,6 +22,11 @@ def attention_in_dtype(query, keys, values, scale, bias=None, dtype=torch.float6
         scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias.to(accumulate)
+    if causal:
+        q_len, kv_len = scores.shape[-2:]
+        visible = torch.arange(kv_len, device=scores.device) <= torch.arange(q_len, device=scores.device)[:, None] + (
+            kv_len - q_len)
+        scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0).unsqueeze(-1))
     out = probs.to(dtype).to(accumulate) @ v.repeat_interleave(group, dim=1)

@@ -31,21 +31,21 @@ def _torch_threads():
 
 
 @pytest.fixture
-def seed(request) -> int:
+def rng_seed(request) -> int:
     """A seed fixed by the test's id: the same on every run and in every xdist worker, different per parameter."""
     return zlib.crc32(request.node.nodeid.encode())
 
 
 @pytest.fixture(autouse=True)
-def _seeded_global_rng(seed):
+def _seeded_global_rng(rng_seed):
     """What still draws from torch's global RNG (model initialisation, sampling in generate) draws from the test's
     seed, and the state it found is restored: results do not depend on which tests ran before."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(rng_seed)
         yield
 
 
 @pytest.fixture
-def gen(seed) -> torch.Generator:
+def gen(rng_seed) -> torch.Generator:
     """A CPU generator seeded by the test's id."""
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator().manual_seed(rng_seed)

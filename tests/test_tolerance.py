@@ -88,3 +88,17 @@ def test_attention_in_dtype_masked_rows_and_bias(gen):
     exact, _ = attention_in_dtype(q[:1], k[:1, :, 4:], v[:1, :, 4:], 0.25)
     assert_within_dtype_error(out[:1], exact, out[:1], torch.bfloat16)
     assert max_error(out[:1], exact) > 0
+
+
+@pytest.mark.parametrize("q_len", [1, 3, 9, 12])
+def test_attention_in_dtype_causal_is_bottom_right_aligned(gen, q_len):
+    """Causal attention of the last ``q_len`` positions over 9 keys (the first rows of a longer query see none)."""
+    from flashquant_hf.reference.flash_attention import flash_attention
+
+    q = torch.randn(2, 4, q_len, 16, generator=gen, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 2, 9, 16, generator=gen, dtype=torch.float64)
+    out, lse = attention_in_dtype(q, k, v, 0.25, causal=True)
+    want_out, want_lse = flash_attention(q, k, v, 0.25, causal=True)
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse.double(), rtol=1e-6, atol=1e-6)
+    assert torch.isinf(lse[:, :, : max(0, q_len - 9)]).all() and torch.isfinite(lse[:, :, max(0, q_len - 9) :]).all()

@@ -15,6 +15,6 @@ def poison():
 
 
 @pytest.fixture
-def cuda_gen(seed) -> torch.Generator:
+def cuda_gen(rng_seed) -> torch.Generator:
     """A CUDA generator seeded by the test's id."""
-    return torch.Generator(device="cuda").manual_seed(seed)
+    return torch.Generator(device="cuda").manual_seed(rng_seed)
