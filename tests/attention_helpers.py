@@ -40,6 +40,17 @@ def float64_attention(query, keys, values, bias, scale, softcap=None):
     return attention_in_dtype(query, keys, values, scale, bias, softcap=softcap)[0].transpose(1, 2)
 
 
+def merge_float64(outs, lses):
+    """Log-sum-exp merge of partial attentions in float64: outs [S, ..., D], lses [S, ...] (-inf for a split that saw
+    no key, whose out may hold anything) -> (out [..., D], lse [...]); a row every split missed gets 0 and -inf."""
+    lses = lses.double()
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - torch.where(torch.isfinite(lse), lse, 0).unsqueeze(0))
+    weights = torch.where(torch.isfinite(lses), weights, 0)
+    out = (weights.unsqueeze(-1) * torch.nan_to_num(outs.double())).sum(0)
+    return out, lse
+
+
 def causal_mask(batch, q_len, total, pad: list[int] | None = None, as_float: torch.dtype | None = None):
     """[batch, 1, q_len, total] bool (True = visible) for the last q_len positions; ``pad[b]`` left-padded keys of
     row b; ``as_float``: an additive mask of that dtype instead (eager)."""

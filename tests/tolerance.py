@@ -29,14 +29,18 @@ def max_error(actual: torch.Tensor, expected: torch.Tensor, where: torch.Tensor 
     return float(torch.nan_to_num(diff, nan=float("inf")).max())
 
 
-def ulp_floor(expected: torch.Tensor, dtype: torch.dtype, where: torch.Tensor | None = None) -> float:
-    """One unit in the last place of ``dtype`` at the largest finite ``|expected|`` (over ``where``)."""
+def largest(expected: torch.Tensor, where: torch.Tensor | None = None) -> float:
+    """The largest finite ``|expected|`` (over ``where``; 0 if there is none)."""
     values = expected.double().abs()
     if where is not None:
         values = values[where]
     values = values[torch.isfinite(values)]
-    largest = float(values.max()) if values.numel() else 0.0
-    return torch.finfo(dtype).eps * largest
+    return float(values.max()) if values.numel() else 0.0
+
+
+def ulp_floor(expected: torch.Tensor, dtype: torch.dtype, where: torch.Tensor | None = None) -> float:
+    """One unit in the last place of ``dtype`` at the largest finite ``|expected|`` (over ``where``)."""
+    return torch.finfo(dtype).eps * largest(expected, where)
 
 
 def dtype_error_bound(torch_result: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype,
@@ -63,10 +67,20 @@ def assert_within_dtype_error(actual: torch.Tensor, exact: torch.Tensor, torch_r
 
 
 
-def assert_attention_within_dtype_error(result, exact, in_dtype, dtype: torch.dtype, label: str = "") -> None:
+def approx_exp2_error(exponent_spread: float) -> float:
+    """Relative error of a weight ``2^x`` taken with ``ex2.approx.f32`` (2 ulp: 2^-22, PTX ISA) from an fp32
+    exponent of magnitude up to ``exponent_spread``, rounded twice (the difference to the maximum and the product with
+    log2 e: half an ulp each). The floor of kernels that weight with the hardware exp2, where PyTorch's exp is
+    correctly rounded."""
+    return 2.0**-22 + exponent_spread * 2.0**-23
+
+
+def assert_attention_within_dtype_error(result, exact, in_dtype, dtype: torch.dtype, label: str = "",
+                                        relative_floor: float | None = None) -> None:
     """A kernel's attention ``result`` (out, lse) against the float64 ``exact`` (out, lse) and PyTorch's ``in_dtype``
     (out, lse) computed in ``dtype``: out finite; the same rows see no key (lse -inf, out 0); out and lse within
-    the dtype bound (lse over the rows that see keys).
+    the dtype bound (lse over the rows that see keys). ``relative_floor``: the floor as a fraction of the largest
+    magnitude (default: one ulp of ``dtype``).
 
     out: shape [..., D]; lse: shape [...] (the leading shapes agree).
     """
@@ -75,5 +89,7 @@ def assert_attention_within_dtype_error(result, exact, in_dtype, dtype: torch.dt
     seen = torch.isfinite(exact_lse)
     assert torch.equal(torch.isfinite(lse), seen), f"{label}: the rows of lse that are -inf differ"
     assert torch.all(lse[~seen] == float("-inf")) and torch.all(out[~seen] == 0), f"{label}: rows without keys"
-    assert_within_dtype_error(out, exact_out, torch_out, dtype, f"{label} out")
-    assert_within_dtype_error(lse, exact_lse, torch_lse, dtype, f"{label} lse", where=seen)
+    out_floor = None if relative_floor is None else relative_floor * largest(exact_out)
+    lse_floor = None if relative_floor is None else relative_floor * largest(exact_lse, seen)
+    assert_within_dtype_error(out, exact_out, torch_out, dtype, f"{label} out", floor=out_floor)
+    assert_within_dtype_error(lse, exact_lse, torch_lse, dtype, f"{label} lse", where=seen, floor=lse_floor)
