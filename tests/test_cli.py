@@ -103,6 +103,29 @@ def test_bad_config(capsys, spec, needle):
     _one_line_error(capsys, rc, needle)
 
 
+def test_invalid_environment_variable_is_a_one_line_error(capsys, monkeypatch):
+    monkeypatch.setenv("FLASHQUANT_BITS", "abc")  # every preset sets bits: the variable would go unused
+    rc = main(["ppl", "--prefix", "8", "--tokens", "2", "--no-progress"])
+    _one_line_error(capsys, rc, "environment variable `FLASHQUANT_BITS`='abc' is invalid")
+
+
+@pytest.mark.slow
+def test_no_progress_silences_the_model_loader(capfd):
+    """The GGUF converter's and transformers' weight-loading bars, for a GGUF file loaded from its path (the
+    embedded model is cached once loaded); each switch is restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    from flashquant_hf.eval.loading import load_model
+    from flashquant_hf.models import smollm2_gguf_path
+
+    bars = ("Converting and de-quantizing GGUF tensors", "Loading weights")
+    for progress in (False, True):
+        load_model(str(smollm2_gguf_path()), torch.device("cpu"), torch.float32, progress=progress)
+        err = capfd.readouterr().err
+        assert all((bar in err) == progress for bar in bars), err[-2000:]
+    assert hf_logging.is_progress_bar_enabled()
+
+
 def test_bench_on_cpu_is_one_line_exit_2(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     rc = main(["bench"])

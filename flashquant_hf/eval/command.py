@@ -67,7 +67,7 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="CPU threads for torch (default: torch's own choice)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a perplexity bar chart (PNG)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (the model loader's too)")
     return parser
 
 
@@ -93,7 +93,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, device, dtype)
+    model, tokenizer = load_model(args.model, device, dtype, progress=not args.no_progress)
     check_context(model, args.prefix + args.tokens, "`--prefix` + `--tokens`")
     input_ids = token_window(tokenizer, text, args.prefix, args.tokens)
     rows = evaluate(model, input_ids, args.prefix, specs, seeds=args.seeds, progress=not args.no_progress)
