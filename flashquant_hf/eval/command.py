@@ -67,14 +67,14 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="CPU threads for torch (default: torch's own choice)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a perplexity bar chart (PNG)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (the model loader's too)")
     return parser
 
 
 def run_ppl(args: argparse.Namespace) -> int:
     """Run the ``ppl`` command; EvalInputError for bad input (raised before the model loads where possible)."""
     from .loading import check_context, load_model, resolve_device, resolve_dtype
-    from .report import check_writable, format_table, payload, save_plot, write_json
+    from .report import check_writable, format_table, legend, payload, save_plot, write_json
     from .runner import evaluate
     from .text import load_text, token_window
 
@@ -93,7 +93,9 @@ def run_ppl(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, device, dtype)
+    loading = time.perf_counter()
+    model, tokenizer = load_model(args.model, device, dtype, progress=not args.no_progress)
+    load_s = time.perf_counter() - loading
     check_context(model, args.prefix + args.tokens, "`--prefix` + `--tokens`")
     input_ids = token_window(tokenizer, text, args.prefix, args.tokens)
     rows = evaluate(model, input_ids, args.prefix, specs, seeds=args.seeds, progress=not args.no_progress)
@@ -102,7 +104,8 @@ def run_ppl(args: argparse.Namespace) -> int:
     print(f"model {args.model} | text {text_name} | prefix {args.prefix} | tokens {args.tokens} | "
           f"{device.type} {str(dtype).removeprefix('torch.')}")
     print(format_table(rows))
-    print(f"wall time {wall_s:.1f} s")
+    print(legend(rows, str(dtype).removeprefix("torch.")))
+    print(f"wall time {wall_s:.1f} s (model load {load_s:.1f} s, rows {sum(row['seconds'] for row in rows):.1f} s)")
     document = payload(args.model, text_name, args.prefix, args.tokens, rows,
                        device=str(device), dtype=str(dtype).removeprefix("torch."), wall_s=wall_s)
     if args.json:

@@ -59,7 +59,7 @@ def add_niah_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="CPU threads for torch (default: torch's own choice)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write the accuracy heat-maps (PNG)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (the model loader's too)")
     return parser
 
 
@@ -85,7 +85,7 @@ def run_niah(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, device, dtype)
+    model, tokenizer = load_model(args.model, device, dtype, progress=not args.no_progress)
     check_context(model, max(lengths), "`--lengths`")
     parts = prompt_parts(tokenizer)
     document = run_retrieval(model, tokenizer, parts, lengths, depths, args.needles, specs, seed=args.seed,

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from .errors import EvalInputError
 
-COLUMNS = ("name", "perplexity", "delta %", "KV bytes", "compression", "tokens/s")
+COLUMNS = ("name", "perplexity", "delta %", "KV bytes", "compression", "at 32K", "tokens/s", "time s")
+LINE_WIDTH = 120
 
 
 def human_bytes(n: float) -> str:
@@ -28,19 +30,28 @@ def _ppl_cell(row: dict[str, Any]) -> str:
     return f"{row['ppl']:.4f}"
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width table: name, perplexity (± std over seeds), delta % vs dynamic, KV bytes, compression, tok/s."""
-    cells = [
-        [
-            row["name"],
-            _ppl_cell(row),
-            f"{row['delta_pct']:+.2f}%",
-            human_bytes(row["kv_bytes"]),
-            f"{row['compression']:.2f}x" if math.isfinite(row["compression"]) else "n/a",
-            f"{row['tokens_per_s']:.1f}",
-        ]
-        for row in rows
+def _ratio(value: Any) -> str:
+    return f"{value:.2f}x" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    seconds = row.get("seconds")
+    return [
+        row["name"],
+        _ppl_cell(row),
+        f"{row['delta_pct']:+.2f}%",
+        human_bytes(row["kv_bytes"]),
+        _ratio(row["compression"]),
+        _ratio(row.get("compression_32k")),
+        f"{row['tokens_per_s']:.1f}",
+        "n/a" if seconds is None else f"{seconds:.1f}",
     ]
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A fixed-width table: name, perplexity (± std over seeds), delta % vs dynamic, KV bytes, compression (at this
+    run's length and projected to 32K tokens), tok/s, the row's seconds."""
+    cells = [_cells(row) for row in rows]
     widths = [max(len(COLUMNS[i]), *(len(c[i]) for c in cells)) for i in range(len(COLUMNS))]
     lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(COLUMNS, widths)))]
     lines.append("  ".join("-" * w for w in widths))
@@ -52,13 +63,43 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def format_markdown(rows: list[dict[str, Any]]) -> str:
     """The same table as GitHub markdown (for docs)."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
-    for row in rows:
-        compression = f"{row['compression']:.2f}x" if math.isfinite(row["compression"]) else "n/a"
-        lines.append(
-            f"| {row['name']} | {_ppl_cell(row)} | {row['delta_pct']:+.2f}% | {human_bytes(row['kv_bytes'])} "
-            f"| {compression} | {row['tokens_per_s']:.1f} |"
-        )
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def describe_config(config: dict[str, Any]) -> str:
+    """What a resolved TurboQuantConfig keeps how, in words (``4-bit keys and values, 4 exact sink tokens, ...``)."""
+    key_bits, value_bits = config["key_bits"], config["value_bits"]
+    parts = [f"{key_bits}-bit keys and values" if key_bits == value_bits else
+             f"{key_bits}-bit keys, {value_bits}-bit values"]
+    sinks, window, block = config["sink_tokens"], config["residual_length"], config["window_block"]
+    if sinks == 0 and window == 0:
+        parts.append("every token compressed")
+    if sinks:
+        parts.append(f"{sinks} exact sink tokens")
+    if window:
+        newest = f"{window}" if block == 1 else f"{window} to {window + block - 1}"
+        parts.append(f"the newest {newest} tokens exact")
+    if config.get("outlier_channels"):
+        parts.append(f"{config['outlier_channels']} outlier channels a bit more")
+    if config.get("key_qjl"):
+        parts.append("QJL key residual")
+    return ", ".join(parts)
+
+
+def legend(rows: list[dict[str, Any]], dtype: str) -> str:
+    """Two wrapped lines under the table: what each row is, what each column means."""
+    names = [f"{row['name']} = {describe_config(row['config'])}" for row in rows if row.get("config")]
+    tokens = rows[0].get("kv_tokens", "the")
+    dynamic_ratio = _ratio(rows[0]["compression"])
+    text = [
+        "rows: dynamic = transformers' DynamicCache, exact K/V (the baseline); " + "; ".join(names) + ".",
+        f"columns: delta % = perplexity vs dynamic; KV bytes = what each cache allocates at the end ({tokens} tokens);"
+        f" compression = bf16 K/V of those tokens / KV bytes (dynamic holds {dtype}: {dynamic_ratio}), low where the "
+        "exact window is a large part of so few tokens; at 32K = the same projected to 32768 tokens, every further "
+        "token compressed; time s = the row's wall time (prefill + decode, every seed).",
+    ]
+    return "\n".join(textwrap.fill(line, LINE_WIDTH, subsequent_indent="  ") for line in text)
 
 
 def payload(model: str, text: str, prefix: int, tokens: int, rows: list[dict[str, Any]], **extra: Any) -> dict:
