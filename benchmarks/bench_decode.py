@@ -15,7 +15,8 @@ same way, and once isolated (one call after the spin: the kernels alone).
 
 SDPA gets its fastest GQA form (``enable_gqa``, the group folded into the query length, or pre-expanded K/V).
 The CTA shape (4 or 8 warps) and the L2 prefetch distance are swept first and the best pair is used for the
-headline rows; the contiguous layout's prefetch distance (0 or 1) is swept on its own. ``*_cpu_us_per_call`` is the host time per call (fast cached launch vs CuPy's launch).
+headline rows; the contiguous layout's prefetch distance (0 or 1) is swept on its own. ``*_cpu_us_per_call`` is the
+host time per call (fast cached launch vs CuPy's launch).
 """
 
 from __future__ import annotations

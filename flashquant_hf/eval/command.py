@@ -26,19 +26,24 @@ EPILOG = (
 )
 
 
-def positive_int(minimum: int):
-    """An argparse type: an integer >= ``minimum``."""
+def argument_type(convert, expected: str, accept):
+    """An argparse type: ``convert(text)`` if ``accept`` takes it, else the error "expected {expected}, got ..."."""
 
-    def parse(text: str) -> int:
+    def parse(text: str):
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
         return value
 
     return parse
+
+
+def positive_int(minimum: int):
+    """An argparse type: an integer >= ``minimum``."""
+    return argument_type(int, f"an integer >= {minimum}", lambda value: value >= minimum)
 
 
 def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

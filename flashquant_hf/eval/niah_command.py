@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .command import add_run_arguments, positive_int, prepare_run
+from .command import add_run_arguments, argument_type, positive_int, prepare_run
 from .errors import EvalInputError
 from .specs import PRESETS, parse_cache_spec, unique_names
 
@@ -25,14 +25,7 @@ EPILOG = (
 )
 
 
-def _depth(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a depth in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a depth in [0, 1], got {value}")
-    return value
+_depth = argument_type(float, "a depth in [0, 1]", lambda value: 0.0 <= value <= 1.0)
 
 
 def add_niah_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
