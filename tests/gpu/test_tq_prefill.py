@@ -108,6 +108,12 @@ CASES = [
     (2, 8, 1, 16, 1000, True, "alibi"),   # GQA 8, a batch row fully padded, general additive bias
     (1, 2, 1, 64, 64, False, "none"),
 ]
+
+
+def case_id(case) -> str:
+    return "B{}_H{}x{}_L{}_N{}_{}_{}".format(*case[:5], "causal" if case[5] else "full", case[6])
+
+
 BITS = {
     128: [(4, 4), (2, 2), (3, 3), (4, 2), (2, 3)],
     64: [(4, 4), (3, 3)],
@@ -116,7 +122,7 @@ BITS = {
 
 
 @pytest.mark.parametrize("head_dim, k_bits, v_bits", [(d, kb, vb) for d, pairs in BITS.items() for kb, vb in pairs])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_H{}x{}_L{}_N{}_{}_{}".format(*c[:5], "causal" if c[5] else "full", c[6]))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_float64(head_dim, k_bits, v_bits, case):
     batch, q_heads, kv_heads, q_len, kv_len, causal, bias = case
     inp = make_inputs(batch, q_heads, kv_heads, q_len, kv_len, head_dim, k_bits, v_bits,
@@ -130,7 +136,7 @@ FULL_MATRIX_CONFIGS = [tqp.fallback_config(128)] + [c for c in CLUSTER_CONFIGS i
 
 @pytest.mark.parametrize("config", FULL_MATRIX_CONFIGS, ids=lambda c: c.label())
 @pytest.mark.parametrize("k_bits, v_bits", BITS[128], ids=lambda b: str(b))
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_H{}x{}_L{}_N{}_{}_{}".format(*c[:5], "causal" if c[5] else "full", c[6]))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_other_d128_configs_full_matrix(config, k_bits, v_bits, case):
     """The default test matrix at D = 128 on the fallback below sm_90 and the other cluster variant too."""
     batch, q_heads, kv_heads, q_len, kv_len, causal, bias = case
