@@ -1,0 +1,73 @@
+"""The ops of a static-capacity decode step as ``torch.library`` custom ops, so ``torch.compile`` traces a model whose
+cache is a static TurboQuantCache as one graph (each op is one opaque node with a fake implementation for shapes)
+and CUDA graphs capture it.
+
+Each op runs the CUDA kernels or the PyTorch reference through :mod:`flashquant_hf.ops` (``backend`` is the
+layer's decision); nothing in them synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+
+NAMESPACE = "flashquant"
+
+
+@torch.library.custom_op(f"{NAMESPACE}::compress_into", mutates_args=("packed", "norms"))
+def compress_into(
+    x: torch.Tensor,
+    rotation: torch.Tensor,
+    boundaries: torch.Tensor,
+    centroids: torch.Tensor,
+    hadamard_signs: torch.Tensor | None,
+    bits: int,
+    norm_correction: bool,
+    packed: torch.Tensor,
+    norms: torch.Tensor,
+    positions: torch.Tensor,
+    backend: str,
+) -> None:
+    """Compress ``x`` ``[B, H, n, D]`` and write its codes into token slots ``positions`` (int64 ``[n]``, on the
+    device) of the store ``packed [B, H, N, bytes]`` / ``norms [B, H, N]``."""
+    codes, code_norms = ops.compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs,
+                                     backend=backend)
+    packed.index_copy_(2, positions, codes)
+    norms.index_copy_(2, positions, code_norms)
+
+
+@compress_into.register_fake
+def _(x, rotation, boundaries, centroids, hadamard_signs, bits, norm_correction, packed, norms, positions, backend):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::decode_merged", mutates_args=())
+def decode_merged(
+    q_rot: torch.Tensor,
+    k_packed: torch.Tensor,
+    k_norms: torch.Tensor,
+    v_packed: torch.Tensor,
+    v_norms: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    lengths: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    extra_out: torch.Tensor,
+    extra_lse: torch.Tensor,
+    k_bits: int,
+    v_bits: int,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`flashquant_hf.reference.decode_merged.decode_merged`."""
+    return ops.decode_merged(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, lengths, key_bias,
+                             extra_out, extra_lse, k_bits, v_bits, scale, backend=backend)
+
+
+@decode_merged.register_fake
+def _(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, lengths, key_bias, extra_out, extra_lse,
+      k_bits, v_bits, scale, backend):
+    batch, q_heads, q_len, head_dim = q_rot.shape
+    out = q_rot.new_empty((batch, q_heads, q_len, head_dim), dtype=torch.float32)
+    return out, q_rot.new_empty((batch, q_heads, q_len), dtype=torch.float32)
