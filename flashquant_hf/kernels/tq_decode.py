@@ -26,7 +26,9 @@ def _check_cache_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple, 
         checks.check_aligned_rows(name, t, alignment)
 
 
-def _check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias) -> None:
+def check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias) -> None:
+    """ValueError naming the problem unless the decode inputs have the shapes, dtypes, device and alignment the
+    kernel reads."""
     check_query(q_rot, 4, "[B, Hq, 1, D]")
     batch, q_heads, q_len, head_dim = q_rot.shape
     if q_len != 1:
@@ -79,7 +81,7 @@ def tq_decode(
     out 0) where no key is visible
     """
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
-    _check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
+    check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
     batch, q_heads, _, head_dim = q_rot.shape
     kv_heads, num_keys = k_packed.shape[1], k_packed.shape[2]
     group = q_heads // kv_heads
