@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticSli
 from .config import TurboQuantConfig
 from .layer import TurboQuantLayer
 from .registration import install
-from .static_layer import StaticTurboQuantLayer
+from .static_layer import StaticTurboQuantLayer, check_capacity
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -72,8 +72,7 @@ def _checked_capacity(max_cache_len: Any, config: TurboQuantConfig) -> int | Non
     """``max_cache_len`` after checking it and what the static mode needs of ``config``; None stays None."""
     if max_cache_len is None:
         return None
-    if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or max_cache_len < 1:
-        raise ValueError(f"`max_cache_len` must be an integer >= 1 or None, got {max_cache_len!r}")
+    check_capacity(max_cache_len)
     if config.outlier_channels or config.key_qjl:
         raise ValueError(
             "the static mode (`max_cache_len`) stores plain codes only; got outlier_channels="

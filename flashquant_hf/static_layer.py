@@ -32,6 +32,13 @@ from .tags import TAG, FirstPrefillTag, StaticPlan
 COUNTS = ("sinks", "compressed", "ring_start", "window")  # the entries of StaticTurboQuantLayer.counts
 
 
+def check_capacity(max_cache_len: Any) -> int:
+    """``max_cache_len`` if it is an integer >= 1, else a ValueError naming it."""
+    if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or max_cache_len < 1:
+        raise ValueError(f"`max_cache_len` must be an integer >= 1 or None, got {max_cache_len!r}")
+    return max_cache_len
+
+
 def static_store_capacity(config: TurboQuantConfig, max_cache_len: int) -> int:
     """Compressed tokens a static layer of ``max_cache_len`` tokens can hold: once a window has been compressed from,
     it keeps at least ``residual_length`` tokens and the sinks are full."""
@@ -53,9 +60,7 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         cache: Any = None,
         **kwargs: Any,
     ):
-        if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or max_cache_len < 1:
-            raise ValueError(f"`max_cache_len` must be an integer >= 1, got {max_cache_len!r}")
-        self.max_cache_len = max_cache_len
+        self.max_cache_len = check_capacity(max_cache_len)
         super().__init__(config, layer_idx=layer_idx, cache=cache)
 
     def __repr__(self) -> str:

@@ -5,12 +5,11 @@ CUDA graph can capture it."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import checks
-from .decode_launch import BITS, HEAD_DIMS, MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, check_codebooks, run_decode
-from .tq_decode import check_decode_inputs
+from .decode_launch import BITS, HEAD_DIMS, check_codebooks
+from .tq_decode import check_decode_inputs, launch_contiguous
 
 NAME_EXPRESSIONS: tuple[str, ...] = ()  # the kernels of tq_decode.py and merge_partials.py
 
@@ -44,7 +43,7 @@ def decode_merged(
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
     batch, q_heads, _, head_dim = q_rot.shape
-    kv_heads, capacity = k_packed.shape[1], k_packed.shape[2]
+    capacity = k_packed.shape[2]
     checks.check_layout("lengths", lengths, torch.int32, (batch,))
     checks.check_device("lengths", lengths, q_rot.device, like="`q_rot`")
     if not lengths.is_contiguous():
@@ -53,25 +52,10 @@ def decode_merged(
     checks.check_layout("extra_lse", extra_lse, torch.float32, (batch, q_heads, 1))
     out = torch.empty(batch, q_heads, 1, head_dim, dtype=torch.float32, device=q_rot.device)
     lse = torch.empty(batch, q_heads, 1, dtype=torch.float32, device=q_rot.device)
-    i64 = np.int64
-    ks, kns, vs, vns = k_packed.stride(), k_norms.stride(), v_packed.stride(), v_norms.stride()
-    if key_bias is None:
-        mode, bias_args = MODE_CONTIGUOUS, (NULL, i64(0), i64(0))
-    else:
-        mode, bias_args = MODE_CONTIGUOUS_BIAS, (key_bias, i64(key_bias.stride(0)), i64(key_bias.stride(1)))
-    tensor_args = (
-        k_packed, i64(ks[0]), i64(ks[1]), i64(ks[2]),
-        k_norms, i64(kns[0]), i64(kns[1]), i64(kns[2]),
-        v_packed, i64(vs[0]), i64(vs[1]), i64(vs[2]),
-        v_norms, i64(vns[0]), i64(vns[1]), i64(vns[2]),
-        *bias_args,
-        NULL, i64(0), lengths,
-        i64(0), 0, capacity,
-    )
-    qs = q_rot.stride()
-    run_decode(
-        mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, batch, kv_heads, q_heads // kv_heads, capacity,
-        (k_centroids, v_centroids), (k_bits, v_bits), float(scale), out, lse,
-        extra=(extra_out.contiguous(), extra_lse.contiguous()),
-    )
+    if capacity == 0:  # nothing compressed can be live: the merge of the extra part alone
+        out.copy_(torch.where(torch.isfinite(extra_lse).unsqueeze(-1), extra_out, 0))
+        lse.copy_(extra_lse)
+        return out, lse
+    launch_contiguous(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
+                      key_bias, out, lse, lengths, (extra_out.contiguous(), extra_lse.contiguous()))
     return out, lse
