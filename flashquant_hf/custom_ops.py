@@ -1,6 +1,8 @@
 """The ops of a static-capacity decode step as ``torch.library`` custom ops, so ``torch.compile`` traces a model whose
 cache is a static TurboQuantCache as one graph (each op is one opaque node with a fake implementation for shapes)
-and CUDA graphs capture it.
+and CUDA graphs capture it. The ops are functional (they return new tensors, which the layer writes into its
+store with ``index_copy_``, as transformers' StaticLayer writes its keys): no op mutates an input, so the compiler
+has no copy of a mutated store to avoid.
 
 Each op runs the CUDA kernels or the PyTorch reference through :mod:`flashquant_hf.ops` (``backend`` is the
 layer's decision); nothing in them synchronises with the host.
@@ -11,12 +13,13 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .packing import packed_size
 
 NAMESPACE = "flashquant"
 
 
-@torch.library.custom_op(f"{NAMESPACE}::compress_into", mutates_args=("packed", "norms"))
-def compress_into(
+@torch.library.custom_op(f"{NAMESPACE}::compress", mutates_args=())
+def compress(
     x: torch.Tensor,
     rotation: torch.Tensor,
     boundaries: torch.Tensor,
@@ -24,22 +27,17 @@ def compress_into(
     hadamard_signs: torch.Tensor | None,
     bits: int,
     norm_correction: bool,
-    packed: torch.Tensor,
-    norms: torch.Tensor,
-    positions: torch.Tensor,
     backend: str,
-) -> None:
-    """Compress ``x`` ``[B, H, n, D]`` and write its codes into token slots ``positions`` (int64 ``[n]``, on the
-    device) of the store ``packed [B, H, N, bytes]`` / ``norms [B, H, N]``."""
-    codes, code_norms = ops.compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs,
-                                     backend=backend)
-    packed.index_copy_(2, positions, codes)
-    norms.index_copy_(2, positions, code_norms)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`flashquant_hf.reference.compress.compress` (``x`` ``[..., D]``)."""
+    return ops.compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs, backend=backend)
 
 
-@compress_into.register_fake
-def _(x, rotation, boundaries, centroids, hadamard_signs, bits, norm_correction, packed, norms, positions, backend):
-    return None
+@compress.register_fake
+def _(x, rotation, boundaries, centroids, hadamard_signs, bits, norm_correction, backend):
+    lead = tuple(x.shape[:-1])
+    packed = x.new_empty(lead + (packed_size(x.shape[-1], bits),), dtype=torch.uint8)
+    return packed, x.new_empty(lead, dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::decode_merged", mutates_args=())

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .config import TurboQuantConfig
-from .custom_ops import compress_into
+from .custom_ops import compress
 from .layer import TurboQuantLayer
 from .packing import packed_size
 from .tags import TAG, FirstPrefillTag, StaticPlan
@@ -240,8 +240,10 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         ):
             rotation, boundaries, centroids, signs = self.tables[side]
             tq = codec.quantizer
-            compress_into(self._centred(x, mean), rotation, boundaries, centroids, signs, tq.bits,
-                          tq.norm_correction, packed, norms, positions, self.backend)
+            codes, code_norms = compress(self._centred(x, mean), rotation, boundaries, centroids, signs, tq.bits,
+                                         tq.norm_correction, self.backend)
+            packed.index_copy_(2, positions, codes)
+            norms.index_copy_(2, positions, code_norms)
 
     def _decode_store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """One token in, device counters only: the sinks or the ring take it; a full window compresses its oldest

@@ -44,14 +44,15 @@ def _prompt(seed: int, batch: int = 2) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _greedy(model, cache, prompt, steps, forward=None):
-    """Last-position logits of the prefill and of every step, [steps + 1, B, V] fp32."""
+def _decode(model, cache, prompt, steps, forward=None, tokens=None):
+    """Last-position logits of the prefill and of every step, [steps + 1, B, V] fp32. Each step feeds the greedy
+    token of the previous logits, or ``tokens[i]`` ([steps, B]) when given (teacher forcing)."""
     forward = forward if forward is not None else model
     out = model(prompt, **cache_kwargs(model, cache))
     logits = [out.logits[:, -1].float()]
-    for _ in range(steps):
-        token = logits[-1].argmax(-1, keepdim=True)
-        logits.append(forward(token, **cache_kwargs(model, cache)).logits[:, -1].float().clone())
+    for i in range(steps):
+        token = logits[-1].argmax(-1) if tokens is None else tokens[i]
+        logits.append(forward(token[:, None], **cache_kwargs(model, cache)).logits[:, -1].float().clone())
     return torch.stack(logits)
 
 
@@ -65,7 +66,8 @@ def _cuda_backend(monkeypatch):
 @pytest.mark.parametrize("bits", list(SETTINGS))
 def test_generate_compiled_equals_eager(name, bits, caplog):
     """generate() auto-compiles a static cache (no 'unable to meet the criteria' warning) and gives the eager
-    static cache's greedy tokens over 64 steps; the eager static cache gives the dynamic mode's tokens."""
+    static cache's greedy tokens over 64 steps (fp32: the same kernels; inductor changes only the torch ops'
+    rounding)."""
     model = _model(name)
     prompt = _prompt(1)
     kwargs = dict(max_new_tokens=STEPS, do_sample=False)
@@ -79,9 +81,19 @@ def test_generate_compiled_equals_eager(name, bits, caplog):
     assert hasattr(model, "_compiled_call"), "generate did not compile the forward"
     eager = model.generate(prompt, **cache_kwargs(model, TurboQuantCache(max_cache_len=capacity, **settings)),
                            disable_compile=True, **kwargs)
-    dynamic = model.generate(prompt, **cache_kwargs(model, TurboQuantCache(**settings)), **kwargs)
     assert torch.equal(compiled, eager)
-    assert torch.equal(eager, dynamic)
+
+
+@pytest.mark.parametrize("bits", list(SETTINGS))
+def test_static_matches_dynamic_mode(bits):
+    """The same tokens fed to the static and the dynamic mode (the decode plans differ: capacity vs length)."""
+    model = _model("llama_d128_gqa4")
+    tokens = torch.randint(3, 512, (STEPS, 2), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
+    static = _decode(model, TurboQuantCache(max_cache_len=PROMPT + STEPS, **SETTINGS[bits]), _prompt(6), STEPS,
+                     tokens=tokens)
+    dynamic = _decode(model, TurboQuantCache(**SETTINGS[bits]), _prompt(6), STEPS, tokens=tokens)
+    rel = ((static - dynamic).norm() / dynamic.norm()).item()
+    assert rel < 1e-2, rel
 
 
 @pytest.mark.parametrize("name", ["llama_d128_gqa4"])
@@ -99,20 +111,24 @@ def test_fullgraph_has_no_graph_break(name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_replay_after_rollover_matches_eager(bits, dtype):
     """torch.compile(fullgraph=True, mode='reduce-overhead'): the decode step is replayed as a CUDA graph (no
-    cudagraph skip, no recompile) through 64 steps that compress 4 blocks; logits match the eager static cache."""
+    cudagraph skip, no recompile) through 64 steps that compress 4 blocks; fed the eager run's greedy tokens, it
+    gives the eager static cache's logits (fp32: and its greedy tokens)."""
     model = _model("llama_d128_gqa4", dtype)
     settings, capacity = SETTINGS[bits], PROMPT + STEPS
-    eager = _greedy(model, TurboQuantCache(max_cache_len=capacity, **settings), _prompt(3), STEPS)
+    eager = _decode(model, TurboQuantCache(max_cache_len=capacity, **settings), _prompt(3), STEPS)
+    tokens = eager[:-1].argmax(-1)
     from torch._dynamo.utils import counters
 
     counters.clear()
     compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
     with torch._dynamo.config.patch(error_on_recompile=True):
-        got = _greedy(model, TurboQuantCache(max_cache_len=capacity, **settings), _prompt(3), STEPS, compiled)
+        got = _decode(model, TurboQuantCache(max_cache_len=capacity, **settings), _prompt(3), STEPS, compiled,
+                      tokens=tokens)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
-    assert torch.equal(got.argmax(-1), eager.argmax(-1))
-    tolerance = 1e-3 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(got, eager, rtol=tolerance, atol=tolerance)
+    if dtype == torch.float32:
+        assert torch.equal(got.argmax(-1), eager.argmax(-1))
+    rel = ((got - eager).norm() / eager.norm()).item()
+    assert rel < (1e-4 if dtype == torch.float32 else 2e-2), rel
 
 
 def test_kernel_path_matches_reference_path(monkeypatch):
@@ -120,9 +136,10 @@ def test_kernel_path_matches_reference_path(monkeypatch):
     reference on the same GPU."""
     model = _model("llama_d128_gqa4")
     capacity = PROMPT + STEPS
-    fast = _greedy(model, TurboQuantCache(max_cache_len=capacity, **SETTINGS[4]), _prompt(4), 32)
+    tokens = torch.randint(3, 512, (32, 2), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    fast = _decode(model, TurboQuantCache(max_cache_len=capacity, **SETTINGS[4]), _prompt(4), 32, tokens=tokens)
     monkeypatch.setenv("FLASHQUANT_BACKEND", "torch")
-    ref = _greedy(model, TurboQuantCache(max_cache_len=capacity, **SETTINGS[4]), _prompt(4), 32)
+    ref = _decode(model, TurboQuantCache(max_cache_len=capacity, **SETTINGS[4]), _prompt(4), 32, tokens=tokens)
     rel = ((fast - ref).norm() / ref.norm()).item()
     assert rel < 2e-2, rel
 
