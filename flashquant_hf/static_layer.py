@@ -85,7 +85,13 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         return static_store_capacity(self.config, self.max_cache_len)
 
     def _allocate(self, key_states: torch.Tensor) -> None:
-        """The fixed-size tensors, once per shape (kept by :meth:`reset`: their addresses stay valid for graphs)."""
+        """The fixed-size tensors, once per shape (kept by :meth:`reset`: their addresses stay valid for graphs).
+        Ordinary tensors even under ``torch.inference_mode()``, so a cache prefilled there can decode under
+        ``no_grad`` (writing in place into an inference tensor outside inference mode is an error)."""
+        with torch.inference_mode(False):
+            self._allocate_tensors(key_states)
+
+    def _allocate_tensors(self, key_states: torch.Tensor) -> None:
         cfg = self.config
         batch, heads, _, head_dim = key_states.shape
         dev, dtype = key_states.device, key_states.dtype

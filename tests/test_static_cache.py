@@ -119,6 +119,20 @@ def test_left_padded_generate_equals_dynamic():
     torch.testing.assert_close(torch.stack(results[1].scores), torch.stack(results[0].scores), rtol=0, atol=1e-5)
 
 
+def test_prefill_in_inference_mode_then_decode_under_no_grad():
+    model = _model("llama_d64_gqa4", layers=1)
+    want, _ = _greedy(model, TurboQuantCache(max_cache_len=64, **SMALL_WINDOW), _prompt(12), 12)
+    cache = TurboQuantCache(max_cache_len=64, **SMALL_WINDOW)
+    with torch.inference_mode():
+        out = model(_prompt(12), **cache_kwargs(model, cache))
+    logits = [out.logits[:, -1].clone()]
+    with torch.no_grad():
+        for _ in range(12):
+            out = model(logits[-1].argmax(-1, keepdim=True), **cache_kwargs(model, cache))
+            logits.append(out.logits[:, -1])
+    torch.testing.assert_close(torch.stack(logits), want, rtol=0, atol=0)
+
+
 def _storage(cache) -> dict[str, int]:
     pointers = {}
     for idx, layer in enumerate(cache.layers):
