@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -11,25 +10,18 @@ import torch
 class TokenBuffer:
     """Tensors ``[B, H, capacity, ...]`` sharing the token axis (dim 2); live tokens are ``[start, start + length)``.
 
-    Appends write in place; the capacity grows geometrically (``growth``, rounded up to ``round_to`` tokens,
-    never above ``max_capacity`` unless more is needed; the first allocation adds ``headroom`` x the tokens it
-    needs); dropping tokens from the front only moves ``start``, and the live range is moved back to the front
-    when the end is reached (amortised O(1) per token).
+    Appends write in place. When the tokens do not fit, the capacity grows to the tokens needed rounded up to a
+    whole number of ``block`` tokens (at most ``max_capacity`` unless more is needed): the allocation never exceeds
+    what is held by a block or more, and a growth allocates the new capacity and copies the live tokens once.
+    Dropping tokens from the front only moves ``start``; the live range is moved back to the front when the end is
+    reached.
     """
 
-    def __init__(
-        self,
-        growth: float,
-        round_to: int,
-        max_capacity: int | None = None,
-        min_capacity: int = 0,
-        headroom: float = 0.0,
-    ):
-        self.growth = growth
-        self.round_to = round_to
+    def __init__(self, block: int = 1, max_capacity: int | None = None):
+        if block < 1:
+            raise ValueError(f"`block` must be an integer >= 1, got {block!r}")
+        self.block = block
         self.max_capacity = max_capacity
-        self.min_capacity = min_capacity
-        self.headroom = headroom
         self.tensors: tuple[torch.Tensor, ...] = ()
         self.start = 0
         self.length = 0
@@ -44,16 +36,17 @@ class TokenBuffer:
         """Bytes allocated (capacity, not only the live tokens)."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes of the live tokens."""
+        return sum(t.numel() * t.element_size() for t in self.views())
+
     def views(self) -> tuple[torch.Tensor, ...]:
         """The live tokens of every tensor (views, shape ``[B, H, length, ...]``)."""
         return tuple(t[:, :, self.start : self.start + self.length] for t in self.tensors)
 
     def _new_capacity(self, need: int) -> int:
-        if self.capacity:
-            grown = max(need, math.ceil(self.capacity * self.growth))
-        else:
-            grown = max(need + int(need * self.headroom), self.min_capacity)
-        grown = -(-grown // self.round_to) * self.round_to
+        grown = -(-need // self.block) * self.block
         if self.max_capacity is not None:
             grown = min(grown, self.max_capacity)
         return max(grown, need)

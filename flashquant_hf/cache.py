@@ -81,6 +81,12 @@ def _checked_capacity(max_cache_len: Any, config: TurboQuantConfig) -> int | Non
     return max_cache_len
 
 
+def _exact_nbytes(layer) -> int:
+    """Bytes of a transformers layer's exact ``keys`` and ``values`` (tensors of the tokens it holds)."""
+    tensors = (getattr(layer, name, None) for name in ("keys", "values"))
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 class TurboQuantCache(Cache):
     """A transformers Cache whose full-attention layers are :class:`TurboQuantLayer`.
 
@@ -197,17 +203,18 @@ class TurboQuantCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache holds: compressed parts, exact windows and sinks, means, sliding layers."""
-        total = 0
-        for layer in self.layers:
-            if isinstance(layer, TurboQuantLayer):
-                total += layer.nbytes
-                continue
-            for name in ("keys", "values"):
-                t = getattr(layer, name, None)
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-        return total
+        """Bytes the cache allocates: compressed stores, exact windows and sinks at their capacity, means, sliding
+        layers. Above :attr:`stored_nbytes` by at most 31 compressed tokens per layer and the exact window's spare
+        room (a window left in blocks of 64 is allocated for the R + 63 tokens it holds at most)."""
+        layers = self.layers
+        return sum(layer.nbytes if isinstance(layer, TurboQuantLayer) else _exact_nbytes(layer) for layer in layers)
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes of what the cache holds: its tokens (codes, exact sinks, windows, sliding layers) and means."""
+        return sum(
+            layer.stored_nbytes if isinstance(layer, TurboQuantLayer) else _exact_nbytes(layer) for layer in self.layers
+        )
 
     # ---- learning the model's layer types during the first forward (cache built without model_config)
     def adopt_model_config(

@@ -7,7 +7,8 @@ Token layout (positions grow to the right)::
 New tokens fill the sinks first, then enter the window; tokens that age out of the window are compressed
 *before* the attention of the step that pushed them out (decode-faithful). The compressed part is the contiguous
 layout of docs/ARCHITECTURE.md: ``k_packed [B, H_kv, N_cap, nbytes] uint8``, ``k_norms [B, H_kv, N_cap] fp32``
-(same for V), growing geometrically. The attention over it lives in :mod:`flashquant_hf.attention`.
+(same for V), growing in blocks of ``STORE_BLOCK`` tokens. The attention over it lives in
+:mod:`flashquant_hf.attention`.
 """
 
 from __future__ import annotations
@@ -26,17 +27,28 @@ from .config import TurboQuantConfig
 from .quantizer import FLOAT_DTYPES, TurboQuantizer
 from .tags import TAG, CompressedPlan, FirstPrefillTag
 
-STORE_GROWTH = 1.25  # compressed store regrowth: amortised O(1) copies per token, <= 25% slack
-STORE_HEADROOM = 1 / 64  # first allocation: a 32K prefill leaves room for 510 decode steps (+1.6% bytes)
-STORE_ROUND = 16  # tokens (keeps every row of the packed layout 16-byte aligned)
+# The compressed store grows by whole blocks of tokens: at most 31 tokens allocated beyond those held (<= 3% from
+# 1K tokens on), a multiple of 16 tokens keeps every row of the packed layout 16-byte aligned. A growth copies the
+# layer's live codes once (one growth per 32 compressed tokens: per window block of 64, or per 32 decode steps
+# when every token is compressed).
+STORE_BLOCK = 32
 WINDOW_SLACK = 64  # extra window capacity: the live range is moved to the front once every 64 tokens
-WINDOW_EAGER = 1024  # windows up to this capacity are allocated at full size at once
 # Per-sequence statistics of a layer, taken on its first prefill: [B, H, D] each, or None when not used.
 SEQUENCE_STATS = ("key_mean", "value_mean", "key_order", "value_order")
 
 
 def _shape(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+
+def _layout(t: torch.Tensor) -> list[int]:
+    """Dimensions of ``t`` from the largest stride to the smallest (its memory layout)."""
+    return sorted(range(t.dim()), key=lambda dim: (-t.stride(dim), dim))
+
+
+def _in_layout(t: torch.Tensor, layout: list[int]) -> torch.Tensor:
+    """``t`` copied into memory laid out as ``layout`` (a reduction over it then runs in that layout's order)."""
+    return t.permute(layout).contiguous().permute([layout.index(dim) for dim in range(t.dim())])
 
 
 class TurboQuantLayer(CacheLayerMixin):
@@ -86,19 +98,22 @@ class TurboQuantLayer(CacheLayerMixin):
     # ---- state
     def _reset_state(self) -> None:
         cfg = self.config
-        self.sinks = TokenBuffer(growth=1.0, round_to=1, max_capacity=cfg.sink_tokens)
-        self.store = TokenBuffer(growth=STORE_GROWTH, round_to=STORE_ROUND, headroom=STORE_HEADROOM)
-        # A full window holds up to R + window_block - 1 tokens. The slack lets the oldest ones be dropped 64 times
-        # between two moves of the live range; a block of up to 65 fits in the same slack (one move per block), so
-        # the default block costs no memory.
-        window_capacity = cfg.residual_length + max(cfg.window_block - 1, WINDOW_SLACK)
-        self.window = TokenBuffer(
-            growth=2.0, round_to=16, max_capacity=window_capacity, min_capacity=min(window_capacity, WINDOW_EAGER)
-        )
+        self.sinks = TokenBuffer(max_capacity=cfg.sink_tokens)
+        self.store = TokenBuffer(block=STORE_BLOCK)
+        # The exact parts grow token by token as they fill (a short prompt costs what DynamicCache's exact K/V cost,
+        # no more). A full window holds up to R + window_block - 1 tokens. The slack lets the oldest ones be dropped
+        # 64 times between two moves of the live range; a block of up to 65 fits in the same slack (one move per
+        # block), so the default block costs no memory.
+        self.window = TokenBuffer(max_capacity=cfg.residual_length + max(cfg.window_block - 1, WINDOW_SLACK))
         self.key_mean: torch.Tensor | None = None  # centring means, fp32
         self.value_mean: torch.Tensor | None = None
         self.key_order: torch.Tensor | None = None  # channel orders of split codes (outlier channels first)
         self.value_order: torch.Tensor | None = None
+        # The first prefill's token count and K/V memory layouts, until its statistics are taken: when its first
+        # token is compressed (until then its tokens are all held exact, and a cache that compresses nothing
+        # holds nothing but exact tokens).
+        self._first_prefill: tuple[int, list[int], list[int]] | None = None
+        self._stats_taken = False
         self._pending: CompressedPlan | None = None
 
     @property
@@ -118,9 +133,17 @@ class TurboQuantLayer(CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every tensor this layer holds (compressed store, sinks, window, per-sequence statistics)."""
-        stats = sum(t.numel() * t.element_size() for t in self._stats().values() if t is not None)
-        return self.store.nbytes + self.sinks.nbytes + self.window.nbytes + stats
+        """Bytes allocated by this layer (compressed store, sinks and window at their capacity, per-sequence
+        statistics)."""
+        return sum(buffer.nbytes for buffer in self._buffers()) + self._stats_nbytes()
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes of what this layer holds: its tokens (codes, exact sinks and window) and per-sequence statistics."""
+        return sum(buffer.stored_nbytes for buffer in self._buffers()) + self._stats_nbytes()
+
+    def _stats_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._stats().values() if t is not None)
 
     def _stats(self) -> dict[str, torch.Tensor | None]:
         return {name: getattr(self, name) for name in SEQUENCE_STATS}
@@ -230,13 +253,9 @@ class TurboQuantLayer(CacheLayerMixin):
         cfg = self.config
         was_empty = self.get_seq_length() == 0
         count = key_states.shape[2]
-        if count and cfg.key_centering and self.key_mean is None:
-            self.key_mean = key_states.float().mean(dim=2)
-        if count and cfg.value_centering and self.value_mean is None:
-            self.value_mean = value_states.float().mean(dim=2)
-        if count and cfg.outlier_channels and self.key_order is None:
-            self.key_order = self.key_codec.channel_order(self._centred(key_states, self.key_mean))
-            self.value_order = self.value_codec.channel_order(self._centred(value_states, self.value_mean))
+        first_prefill = count and not self._stats_taken and self._first_prefill is None
+        if first_prefill:
+            self._first_prefill = (count, _layout(key_states), _layout(value_states))
 
         to_sinks = min(cfg.sink_tokens - self.num_sink, count) if self.num_compressed + self.num_window == 0 else 0
         self.sinks.append(key_states[:, :, :to_sinks], value_states[:, :, :to_sinks])
@@ -245,6 +264,10 @@ class TurboQuantLayer(CacheLayerMixin):
         overflow -= overflow % cfg.window_block  # whole blocks only: the window keeps R to R + block - 1 tokens
         from_window = min(self.num_window, overflow)
         from_new = overflow - from_window
+        if overflow and first_prefill:
+            self._take_stats(key_states, value_states)
+        elif overflow:
+            self._take_stats()
         if from_window:
             old_k, old_v = self.window.views()
             self._compress(old_k[:, :, :from_window], old_v[:, :, :from_window])
@@ -264,6 +287,27 @@ class TurboQuantLayer(CacheLayerMixin):
         setattr(window_k, TAG, plan)
         setattr(window_v, TAG, plan)
         return window_k, window_v
+
+    def _take_stats(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+        """The per-sequence statistics of the first prefill (``keys``/``values``: its K/V when they are at hand, else
+        read back from the exact tokens in the prefill's memory layout, which makes the reductions, and so the
+        statistics, bit-identical)."""
+        if self._stats_taken or self._first_prefill is None:
+            return
+        count, key_layout, value_layout = self._first_prefill
+        if keys is None:
+            exact_k, exact_v = self.exact_states()
+            keys = _in_layout(exact_k[:, :, :count], key_layout)
+            values = _in_layout(exact_v[:, :, :count], value_layout)
+        cfg = self.config
+        if cfg.key_centering:
+            self.key_mean = keys.float().mean(dim=2)
+        if cfg.value_centering:
+            self.value_mean = values.float().mean(dim=2)
+        if cfg.outlier_channels:
+            self.key_order = self.key_codec.channel_order(self._centred(keys, self.key_mean))
+            self.value_order = self.value_codec.channel_order(self._centred(values, self.value_mean))
+        self._first_prefill, self._stats_taken = None, True
 
     def _empty_window(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         empty = like.new_empty((self.batch_size, self.num_heads, 0, self.head_dim))
@@ -386,6 +430,8 @@ class TurboQuantLayer(CacheLayerMixin):
             remaining = self._positive_crop(tokens_to_remove)
         else:
             remaining = min(-tokens_to_remove, self.get_seq_length())
+        if self._first_prefill is not None and self.get_seq_length() - remaining < self._first_prefill[0]:
+            self._take_stats()  # the crop removes tokens of the first prefill: its statistics are taken before
         for buffer in (self.window, self.store, self.sinks):
             drop = min(remaining, buffer.length)
             buffer.drop_back(drop)

@@ -163,6 +163,17 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         tensors = (self.exact_k, self.exact_v, *self.store_tensors, self.key_mean, self.value_mean)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes of what this layer holds: the codes of its compressed tokens, its exact sink and window tokens, and
+        the centring means (synchronises)."""
+        if not self.prefilled:
+            return 0
+        per_token = sum(t[0, 0, 0].numel() * t.element_size() for t in self.store_tensors) * self.batch_size
+        exact = self.exact_k[:, :, 0].numel() * self.exact_k.element_size() * 2
+        means = sum(t.numel() * t.element_size() for t in (self.key_mean, self.value_mean) if t is not None)
+        return self.num_compressed * per_token * self.num_heads + (self.num_sink + self.num_window) * exact + means
+
     # ---- update
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs

@@ -64,7 +64,8 @@ def _greedy(model, cache, prompt: torch.Tensor, steps: int, forward=None) -> tup
 def test_static_equals_dynamic(name):
     model = _model(name)
     prompt = _prompt(1)
-    dynamic_logits, dynamic_tokens = _greedy(model, TurboQuantCache(**SMALL_WINDOW), prompt, STEPS)
+    dynamic = TurboQuantCache(**SMALL_WINDOW)
+    dynamic_logits, dynamic_tokens = _greedy(model, dynamic, prompt, STEPS)
     cache = TurboQuantCache(max_cache_len=CAPACITY, **SMALL_WINDOW)
     static_logits, static_tokens = _greedy(model, cache, prompt, STEPS)
     assert torch.equal(static_tokens, dynamic_tokens)
@@ -75,6 +76,8 @@ def test_static_equals_dynamic(name):
     # 8 blocks left the window during decode; the window keeps 16 to 23 tokens.
     assert layer.num_compressed == (held - 4 - 16) // 8 * 8 and layer.num_compressed >= 8 * 8
     assert layer.num_sink + layer.num_compressed + layer.num_window == held == int(cache.get_seq_length())
+    # Bytes held: the same tokens as the dynamic mode's, in codes and exact tokens; allocated: the capacity.
+    assert cache.stored_nbytes == dynamic.stored_nbytes < cache.nbytes
 
 
 def test_static_holds_what_dynamic_holds():

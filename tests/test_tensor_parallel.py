@@ -6,12 +6,11 @@ that does not: per-rank KV heads reaching the cache, and results equal to the si
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import tp_worker
-from hf_helpers import VOCAB, cache_kwargs, tiny_model
+from hf_helpers import cache_kwargs, prompt_ids, tiny_model
 from transformers import DynamicCache
 
 from flashquant_hf import TurboQuantCache
@@ -27,7 +26,7 @@ def tp_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     model = tiny_model("llama")
     model.save_pretrained(tmp / "model")
-    prompt = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(2))))
+    prompt = prompt_ids(1, 20, seed=5)
     return model, prompt, tp_worker.launch(runner, tmp / "model", prompt, STEPS, tmp)
 
 

@@ -12,3 +12,9 @@ def poison():
         return t.fill_(0xAB if t.dtype == torch.uint8 else POISON)
 
     return fill
+
+
+@pytest.fixture
+def cuda_gen(rng_seed) -> torch.Generator:
+    """A CUDA generator seeded by the test's id."""
+    return torch.Generator(device="cuda").manual_seed(rng_seed)
