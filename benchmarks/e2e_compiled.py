@@ -3,6 +3,8 @@ transformers' StaticCache under the same compile, and against eager DynamicCache
 model, B=8, GPU).
 
     python benchmarks/run_gpu.py --only e2e_compiled --skip-tests                 # 32K and 8K, every preset
+    FLASHQUANT_E2E_CONTEXTS=32768 FLASHQUANT_E2E_PRESETS=4 python benchmarks/run_gpu.py --only e2e_compiled \
+        --skip-tests                                                              # a part, recorded
     python benchmarks/e2e_compiled.py --contexts 8192 --layers 4 --steps 8        # smoke run, prints the rows
 
 Per context, in two phases (compiled StaticCache and the TurboQuantCache presets; then the compiled
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -214,11 +217,33 @@ def run_context(model, context: int, presets: list[str], steps: int, passes: int
     torch.cuda.empty_cache()
 
 
-def run(record, contexts=CONTEXTS, layers: int = LLAMA3_8B["num_hidden_layers"], steps: int = DECODE_STEPS,
-        passes: int = PASSES, presets: tuple[str, ...] = tuple(PRESETS)) -> None:
-    """Entry point for benchmarks/run_gpu.py (and the command line)."""
+PRESET_SUFFIXES = {"4": "", "3": "_bits3", "2.5": "_bits2p5"}  # command-line / environment name -> metric suffix
+
+
+def _from_environment() -> dict:
+    """run()'s settings from ``FLASHQUANT_E2E_CONTEXTS`` / ``_PRESETS`` (space-separated) and ``_LAYERS``, so
+    ``run_gpu.py --only e2e_compiled`` can run a part (each 32K context wants most of a 600 s command)."""
+    settings: dict = {}
+    if os.environ.get("FLASHQUANT_E2E_CONTEXTS"):
+        settings["contexts"] = tuple(int(c) for c in os.environ["FLASHQUANT_E2E_CONTEXTS"].split())
+    if os.environ.get("FLASHQUANT_E2E_PRESETS"):
+        settings["presets"] = tuple(PRESET_SUFFIXES[p] for p in os.environ["FLASHQUANT_E2E_PRESETS"].split())
+    if os.environ.get("FLASHQUANT_E2E_LAYERS"):
+        settings["layers"] = int(os.environ["FLASHQUANT_E2E_LAYERS"])
+    return settings
+
+
+def run(record, contexts=None, layers: int | None = None, steps: int = DECODE_STEPS, passes: int = PASSES,
+        presets: tuple[str, ...] | None = None) -> None:
+    """Entry point for benchmarks/run_gpu.py (and the command line); settings not given come from the environment
+    (:func:`_from_environment`), else every context and preset at 32 layers."""
     from flashquant_hf.backend import resolve_backend
 
+    environment = _from_environment()
+    contexts = contexts or environment.get("contexts", CONTEXTS)
+    layers = layers or environment.get("layers", LLAMA3_8B["num_hidden_layers"])
+    presets = presets or environment.get("presets", tuple(PRESETS))
+    print(f"  contexts {contexts}, presets {presets}, {layers} layers, {steps} steps x {passes} passes", flush=True)
     began = time.perf_counter()
     limit = getattr(torch._dynamo.config, "recompile_limit", None)
     if limit is not None:  # one graph per cache kind and context
@@ -243,11 +268,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=LLAMA3_8B["num_hidden_layers"])
     parser.add_argument("--steps", type=int, default=DECODE_STEPS)
     parser.add_argument("--passes", type=int, default=PASSES)
-    parser.add_argument("--presets", nargs="+", default=["4", "3", "2.5"], choices=["4", "3", "2.5"])
+    parser.add_argument("--presets", nargs="+", default=list(PRESET_SUFFIXES), choices=list(PRESET_SUFFIXES))
     args = parser.parse_args(argv)
-    suffixes = {"4": "", "3": "_bits3", "2.5": "_bits2p5"}
     run(print_record, tuple(args.contexts), args.layers, args.steps, args.passes,
-        tuple(suffixes[p] for p in args.presets))
+        tuple(PRESET_SUFFIXES[p] for p in args.presets))
 
 
 if __name__ == "__main__":
