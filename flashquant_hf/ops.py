@@ -115,3 +115,16 @@ def tq_attention(
 def merge_partials(outs, lses, *, backend: str | None = None):
     """See :func:`flashquant_hf.reference.merge_partials.merge_partials`."""
     return implementation("merge_partials", outs, backend=backend).merge_partials(outs, lses)
+
+
+def decode_merged(
+    q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, lengths, key_bias, extra_out, extra_lse,
+    k_bits, v_bits, scale, *, backend: str | None = None,
+):
+    """See :func:`flashquant_hf.reference.decode_merged.decode_merged`."""
+    module = _reference_unless_served("decode_merged", "decode_merged", backend, (q_rot, k_packed), k_bits, v_bits,
+                                      q_rot.shape[-1])
+    return module.decode_merged(
+        q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, lengths, key_bias, extra_out,
+        extra_lse, k_bits, v_bits, scale,
+    )

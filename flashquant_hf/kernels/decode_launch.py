@@ -392,17 +392,23 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
                   shared_mem: int = 0) -> None:
     """:func:`flashquant_hf.kernels.loader.launch_cached` with this module's ``FAST_LAUNCH`` and
     ``PROGRAMMATIC_LAUNCH`` settings."""
-    loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH,
-                         PROGRAMMATIC_LAUNCH)
+    # Inside a CUDA-graph capture the launches are ordinary ones: the captured graph orders its kernels itself.
+    programmatic = PROGRAMMATIC_LAUNCH and not torch.cuda.is_current_stream_capturing()
+    loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH, programmatic)
 
 
 def run_decode(
     mode: int, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, batch: int, kv_heads: int,
     group: int, max_len: int, centroids: tuple[torch.Tensor, torch.Tensor], bits: tuple[int, int], scale: float,
     out: torch.Tensor, lse: torch.Tensor, log2_block_size: int | None = None,
+    extra: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Plan, launch the decode kernel and (for several splits) the merge into ``out``, ``lse`` (contiguous,
     ``rows x D`` and ``rows`` elements).
+
+    ``extra``: one more partial result ``(out [rows, D], lse [rows])`` fp32 that joins the merge as a last split
+    (the exact part of a layer); the partials then live in a workspace allocated by torch for this call (graph-safe:
+    under a CUDA-graph capture it comes from the graph's pool), and the merge always runs.
 
     ``tensor_args``: the 25 layout arguments of the kernel between the query strides and ``k_cent`` (pointers as
     tensors or ``NULL``, strides as ``np.int64``, ints as int). The grid's units are ``units_shape(batch, H_kv,
@@ -419,7 +425,15 @@ def run_decode(
     setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], bits, index, units_shape(batch, kv_heads, group),
                         rows, length, log2_block_size, head_slots(group))
     plan = setup.plan
-    if plan.splits == 1:  # written directly
+    merge, merge_ptr, merged_splits = setup.merge, setup.merge_ptr, plan.splits
+    if extra is not None:
+        merged_splits = plan.splits + 1
+        part_out = torch.empty(merged_splits, rows, head_dim, dtype=torch.float32, device=q3.device)
+        part_lse = torch.empty(merged_splits, rows, dtype=torch.float32, device=q3.device)
+        part_out[plan.splits].copy_(extra[0].reshape(rows, head_dim))
+        part_lse[plan.splits].copy_(extra[1].reshape(rows))
+        merge, merge_ptr = merge_partials.merge_kernel(head_dim, index, merged_splits)
+    elif plan.splits == 1:  # written directly
         part_out, part_lse = out, lse
     else:
         part_out, part_lse = setup.part_out, setup.part_lse
@@ -429,10 +443,10 @@ def run_decode(
         part_out, part_lse, rows, setup.prefetch,
     )
     launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
-    if setup.merge is not None:
-        merge_args = merge_partials.contiguous_merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim)
-        launch_cached(setup.merge, setup.merge_ptr, merge_partials.merge_grid(rows), merge_partials.MERGE_THREADS,
-                      merge_args, index)
+    if merge is not None:
+        merge_args = merge_partials.contiguous_merge_args(part_out, part_lse, out, lse, merged_splits, rows, head_dim)
+        launch_cached(merge, merge_ptr, merge_partials.merge_grid(rows), merge_partials.MERGE_THREADS, merge_args,
+                      index)
 
 
 def check_query(q_rot: torch.Tensor, rank: int, layout: str) -> None:
