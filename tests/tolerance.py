@@ -66,7 +66,6 @@ def assert_within_dtype_error(actual: torch.Tensor, exact: torch.Tensor, torch_r
     return error
 
 
-
 def approx_exp2_error(exponent_spread: float) -> float:
     """Relative error of a weight ``2^x`` taken with ``ex2.approx.f32`` (2 ulp: 2^-22, PTX ISA) from an fp32
     exponent of magnitude up to ``exponent_spread``, rounded twice (the difference to the maximum and the product with
