@@ -6,8 +6,8 @@ Writes the run's record ``benchmarks/runs/<date>_run<NN>_<commit>.json`` ({"run"
 "command", "tests", "note", "results"}), updates ``benchmarks/results.json`` (the newest value of every metric: a
 list of {"name", "value", "unit", "target", "commit", "date"}) and regenerates ``benchmarks/RESULTS.md`` from both
 (``benchmarks/render_results.py``). When ``$OUT`` or ``--out`` is set, copies of the three files and the test log
-go there too. Each ``benchmarks/bench_*.py`` module exposes ``run(record)``; a failing benchmark is reported and
-the others still run.
+go there too. Each ``benchmarks/bench_*.py`` module and ``benchmarks/e2e_compiled.py`` expose ``run(record)``; a
+failing benchmark is reported and the others still run.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def run_benchmarks(only: list[str] | None, save=None) -> list[dict]:
         results.append(entry)
         print(f"  {name:<44} {value:>12.4g} {unit:<10} {target or ''}", flush=True)
 
-    for path in sorted(HERE.glob("bench_*.py")):
+    for path in sorted(HERE.glob("bench_*.py")) + [HERE / "e2e_compiled.py"]:
         name = path.stem
         if only and not any(o in name for o in only):
             continue

@@ -790,7 +790,9 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     if (log2_bs != FQD_PAGED_LOG2_BS) __trap();  // the host picks this build for that block size only
     log2_bs = FQD_PAGED_LOG2_BS;
   }
-  const int len = MODE == kPaged ? seq_lens[b] : num_keys;
+  // Contiguous layouts take per-sequence lengths too when given (a fixed-capacity store whose live length is on the
+  // device); otherwise every sequence holds num_keys keys.
+  const int len = (MODE == kPaged || seq_lens != nullptr) ? seq_lens[b] : num_keys;
   // Splits [0, long_splits) hold split_len keys, the later ones short_len.
   const int s0 = split < long_splits ? split * split_len : long_splits * split_len + (split - long_splits) * short_len;
   const int s1 = min(s0 + (split < long_splits ? split_len : short_len), len);

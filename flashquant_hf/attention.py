@@ -19,6 +19,7 @@ K/V in their rotated spaces). Every op runs on the layer's backend, decided once
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TORCH_ROWS = 64  # query rows per block of the torch path (its scores are [B, Hq, rows, Nc] fp32)
+# Up to this many query rows the CPU path runs on one thread: its ~20 ops per layer are small, and on a CPU shared
+# with other jobs every op that torch spreads over threads waits at its barrier for a descheduled thread
+# (SmolLM2, 2 threads, a loaded 2-core machine: a decode step 4x slower than on one thread).
+SERIAL_ROWS = 8
 
 
 # --------------------------------------------------------------------------------------------- exact parts
@@ -172,6 +177,86 @@ def _compressed_torch(
     return out, lse.reshape(batch, q_heads, q_len)
 
 
+def _merged_torch(
+    layer: TurboQuantLayer,
+    query: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    is_causal: bool,
+) -> torch.Tensor:
+    """The whole layer in one softmax (the torch path on a CPU): [B, Hq, Lq, D] fp32 in model space.
+
+    ``mask``: the checked ``[B or 1, Lq, total]`` mask or None. The scores of the sinks, the compressed part (the
+    codecs multiply in their rotated spaces) and the window sit side by side in one row, so no part needs its own
+    log-sum-exp and no merge follows; any mask and soft-capping apply to the whole row. Up to SERIAL_ROWS query rows
+    (decode) run on one thread; long chunks run in blocks of TORCH_ROWS query rows.
+    """
+    q_len, total = query.shape[2], layer.get_seq_length()
+    if q_len <= SERIAL_ROWS and torch.get_num_threads() > 1:
+        with _one_thread():
+            return _merged_torch(layer, query, mask, scale, softcap, is_causal)
+    outs = []
+    for r0 in range(0, q_len, TORCH_ROWS):
+        rows = slice(r0, min(r0 + TORCH_ROWS, q_len))
+        if mask is not None:
+            bias = as_bias(mask[:, rows])
+        elif is_causal and q_len > 1:
+            bias = bias_from(causal_visible(rows.stop - r0, total, total - q_len + r0, query.device))[None]
+        else:
+            bias = None
+        outs.append(_merged_rows(layer, query[:, :, rows], bias, scale, softcap))
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch's intra-op threads set to 1 inside the block (a process-wide setting), restored after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _merged_rows(
+    layer: TurboQuantLayer, query: torch.Tensor, bias: torch.Tensor | None, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """:func:`_merged_torch` for one block of query rows (``bias`` fp32 ``[B or 1, Lq, total]`` or None)."""
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads = layer.num_heads
+    q = query.float().reshape(batch, kv_heads, -1, head_dim)
+    sinks = layer.sink_states()
+    window = layer.window.views() if layer.num_window else None
+    compressed = layer.key_codec.dot(q, layer.key_views(), layer.key_order)
+    if layer.key_mean is not None:
+        compressed = compressed + q @ layer.key_mean.unsqueeze(-1)
+    parts = [compressed]  # in the positions' order: sinks, compressed part, window
+    if sinks is not None:
+        parts.insert(0, q @ sinks[0].float().transpose(-1, -2))
+    if window is not None:
+        parts.append(q @ window[0].float().transpose(-1, -2))
+    scores = (torch.cat(parts, dim=-1) if len(parts) > 1 else compressed) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = (scores.view(batch, kv_heads, -1, q_len, scores.shape[-1]) + bias[:, None, None]).view(scores.shape)
+    probs = torch.softmax(scores, dim=-1)
+    if bias is not None:
+        probs = probs.nan_to_num_(0.0)  # a row that sees nothing: softmax over -inf only is NaN; it gets 0
+    n_sink, n_comp = layer.num_sink, layer.num_compressed
+    p_comp = probs[..., n_sink : n_sink + n_comp]
+    out = layer.value_codec.weighted_sum(p_comp, layer.value_views(), layer.value_order)
+    if layer.value_mean is not None:
+        out = out + p_comp.sum(-1, keepdim=True) * layer.value_mean.unsqueeze(2)
+    if sinks is not None:
+        out = out + probs[..., :n_sink] @ sinks[1].float()
+    if window is not None:
+        out = out + probs[..., n_sink + n_comp :] @ window[1].float()
+    return out.view(batch, q_heads, q_len, head_dim)
+
+
 def _uncenter(
     layer: TurboQuantLayer, query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,6 +308,8 @@ def compressed_attention(
     scale = float(scaling) if scaling is not None else head_dim**-0.5
     dev = query.device
     mask = check_mask(attention_mask, batch, q_len, total)
+    if ops.attends_in_one_softmax(layer.backend, query):
+        return to_model_layout(_merged_torch(layer, query, mask, scale, softcap, is_causal), query.dtype)
     # Without a mask a single causal query sees everything: no bias to build (the decode fast path).
     all_visible = mask is None and (q_len == 1 or not is_causal)
 

@@ -12,11 +12,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
 from .config import TurboQuantConfig, field_names
 from .layer import TurboQuantLayer
 from .registration import install
+from .static_layer import StaticTurboQuantLayer, check_capacity
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -67,6 +68,19 @@ def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
     return {"cache" if "cache" in params else "past_key_values": cache}
 
 
+def _checked_capacity(max_cache_len: Any, config: TurboQuantConfig) -> int | None:
+    """``max_cache_len`` after checking it and what the static mode needs of ``config``; None stays None."""
+    if max_cache_len is None:
+        return None
+    check_capacity(max_cache_len)
+    if config.outlier_channels or config.key_qjl:
+        raise ValueError(
+            "the static mode (`max_cache_len`) stores plain codes only; got outlier_channels="
+            f"{config.outlier_channels}, key_qjl={config.key_qjl} (use TurboQuantCache() without max_cache_len)"
+        )
+    return max_cache_len
+
+
 def _exact_nbytes(layer) -> int:
     """Bytes of a transformers layer's exact ``keys`` and ``values`` (tensors of the tokens it holds)."""
     tensors = (getattr(layer, name, None) for name in ("keys", "values"))
@@ -84,6 +98,10 @@ class TurboQuantCache(Cache):
     ----------
     config : TurboQuantConfig, or a transformers model config (then taken as ``model_config``)
     model_config : the model's config, to build every layer up front (and reject unsupported models at once)
+    max_cache_len : None (default): layers grow with the sequence. An int: the static mode, every layer holds at
+        most this many tokens in tensors allocated at the first prefill, the decode step has fixed shapes and no
+        host synchronisation, and ``generate`` compiles it on CUDA (``is_compileable``), as for transformers'
+        ``StaticCache``. One prefill into an empty cache, then one token per step; plain codes only.
     **overrides : TurboQuantConfig fields, e.g. ``bits=3, residual_length=0``
 
     >>> cache = TurboQuantCache(bits=4, residual_length=128)
@@ -95,6 +113,7 @@ class TurboQuantCache(Cache):
         config: "TurboQuantConfig | PreTrainedConfig | None" = None,
         *,
         model_config: "PreTrainedConfig | None" = None,
+        max_cache_len: int | None = None,
         **overrides: Any,
     ):
         from transformers import PreTrainedConfig
@@ -116,12 +135,14 @@ class TurboQuantCache(Cache):
         elif overrides:
             config = config.replace(**overrides)
         self.config = config
+        self.static_capacity = _checked_capacity(max_cache_len, config)
         self._layer_types = layer_types_of(model_config) if model_config is not None else None
         self._announced = False
         self._past_recording: dict[str, Any] | None = None  # activate_past_recording's arguments, for later layers
         install()
         if self._layer_types is None:
-            super().__init__(layer_class_to_replicate=TurboQuantLayer)
+            replicate = TurboQuantLayer if self.static_capacity is None else StaticTurboQuantLayer
+            super().__init__(layer_class_to_replicate=replicate)
         else:
             super().__init__(layers=[self._make_layer(idx) for idx in range(len(self._layer_types))])
 
@@ -134,15 +155,34 @@ class TurboQuantCache(Cache):
         layer_type, kwargs = ("full_attention", {})
         if self._layer_types is not None and idx < len(self._layer_types):
             layer_type, kwargs = self._layer_types[idx]
+        static = self.static_capacity is not None
         if layer_type == "full_attention":
+            if static:
+                return StaticTurboQuantLayer(self.config, self.static_capacity, layer_idx=idx, cache=self)
             return TurboQuantLayer(self.config, layer_idx=idx, cache=self)
         if layer_type in ("sliding_attention", "chunked_attention"):
-            layer = DynamicSlidingWindowLayer(sliding_window=kwargs["sliding_window"])
+            if static:
+                window = kwargs["sliding_window"]
+                layer = StaticSlidingWindowLayer(max_cache_len=self.static_capacity, sliding_window=window)
+            else:
+                layer = DynamicSlidingWindowLayer(sliding_window=kwargs["sliding_window"])
+        elif static:
+            from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING
+
+            layer = STATIC_LAYER_TYPE_MAPPING[layer_type](max_cache_len=self.static_capacity, **kwargs)
         else:
             layer = DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
         if self._past_recording is not None and hasattr(layer, "activate_past_recording"):
             layer.activate_past_recording(**self._past_recording)
         return layer
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether ``generate`` may compile the decode step: the static mode (``max_cache_len`` set), whose layers
+        all have fixed shapes, also before they are built lazily at the first forward."""
+        if self.static_capacity is None:
+            return False
+        return all(getattr(layer, "is_compileable", False) for layer in self.layers)
 
     def activate_past_recording(self, **kwargs: Any) -> None:
         """Make every layer that drops past states (sliding windows) keep them until the next ``crop``, as

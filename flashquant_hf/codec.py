@@ -14,7 +14,7 @@ A plain code's tensors are ``(packed, norms)``, the layout the CUDA kernels read
 ``(packed, norms)`` per part, then ``(signs, residual norms)`` with QJL; no kernel reads them, so split codes run
 on the PyTorch reference (:mod:`flashquant_hf.ops` decides, and says so once on a GPU). The products here
 (:meth:`HeadCodec.dot`, :meth:`HeadCodec.weighted_sum`, :meth:`HeadCodec.decode`) are the attention's exact
-torch path: they rebuild the codes with the reference's dequantization.
+torch path: they read each part's centroids (``ops.centroid_values``) and scale scores and weights by the norms.
 """
 
 from __future__ import annotations
@@ -146,13 +146,12 @@ class HeadCodec:
             tensors.extend(self.sketch.encode(x.float() - self._decode_mse(tensors, order)))
         return tuple(tensors)
 
-    def _rotated_parts(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        """Each part rebuilt in its rotated space, fp32 ``[B, H, N, part dims]``."""
+    def _code_parts(self, tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each part as (unit-norm code in its rotated space, fp32 ``[B, H, N, part dims]``; norms ``[B, H, N]``):
+        the products scale N scores or weights by the norms instead of N x part dims coordinates."""
         dev = tensors[0].device
         return [
-            ops.dequantize_rotated(
-                tensors[2 * i], tensors[2 * i + 1], tq.centroids(dev), tq.bits, tq.head_dim, backend="torch"
-            )
+            (ops.centroid_values(tensors[2 * i], tq.centroids(dev), tq.bits, tq.head_dim), tensors[2 * i + 1])
             for i, tq in enumerate(self.parts)
         ]
 
@@ -165,8 +164,8 @@ class HeadCodec:
 
     def _decode_mse(self, tensors, order: torch.Tensor | None) -> torch.Tensor:
         dev = tensors[0].device
-        rotated = self._rotated_parts(tensors)
-        return self._joined([r @ tq.rotation(dev) for r, tq in zip(rotated, self.parts)], order)
+        codes = zip(self._code_parts(tensors), self.parts)
+        return self._joined([(unit * norms.unsqueeze(-1)) @ tq.rotation(dev) for (unit, norms), tq in codes], order)
 
     def decode(self, tensors: tuple[torch.Tensor, ...], order: torch.Tensor | None) -> torch.Tensor:
         """The vectors the code stands for, fp32 ``[B, H, N, head_dim]`` (with QJL: ``k_mse + r_hat``)."""
@@ -185,8 +184,8 @@ class HeadCodec:
         """
         dev = q.device
         scores = None
-        for q_part, rotated, tq in zip(self._parts_of(q, order), self._rotated_parts(tensors), self.parts):
-            part = (q_part @ tq.rotation(dev).T) @ rotated.transpose(-1, -2)
+        for q_part, (unit, norms), tq in zip(self._parts_of(q, order), self._code_parts(tensors), self.parts):
+            part = ((q_part @ tq.rotation(dev).T) @ unit.transpose(-1, -2)) * norms.unsqueeze(-2)
             scores = part if scores is None else scores + part
         if self.sketch is not None:
             signs, weight = self._residual(tensors)
@@ -199,7 +198,10 @@ class HeadCodec:
     ) -> torch.Tensor:
         """``p @ x_hat``: weights fp32 ``[B, H, M, N]`` -> ``[B, H, M, head_dim]`` (rotated back once per part)."""
         dev = p.device
-        outs = [(p @ rotated) @ tq.rotation(dev) for rotated, tq in zip(self._rotated_parts(tensors), self.parts)]
+        outs = [
+            ((p * norms.unsqueeze(-2)) @ unit) @ tq.rotation(dev)
+            for (unit, norms), tq in zip(self._code_parts(tensors), self.parts)
+        ]
         out = self._joined(outs, order)
         if self.sketch is not None:
             signs, weight = self._residual(tensors)

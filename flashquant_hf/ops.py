@@ -4,7 +4,10 @@ This module and :mod:`flashquant_hf.backend` are the only ones that choose betwe
 ``backend``: ``"cuda"`` or ``"torch"`` as its caller decided once (a TurboQuantLayer, when it is initialised), or
 None for a direct call, which :func:`~flashquant_hf.backend.default_backend` (``FLASHQUANT_BACKEND`` read once
 per process) and the tensors' device decide. On ``"cuda"`` an op first asks its kernel module whether a kernel
-serves the call (``unsupported(...)``: a reason, or None) and otherwise runs the reference, saying so once.
+serves the call (``unsupported(...)``: a reason, or None) and otherwise runs the reference, saying so once. On
+``"torch"`` with CPU tensors, an op that has a CPU implementation (``flashquant_hf.cpu.<module>``: the reference's
+results in fewer, larger ops) runs it where its ``unsupported(...)`` gives no reason, and a TurboQuantLayer
+attends over its whole context in one softmax (:func:`attends_in_one_softmax`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .log import warn_once
 logger = logging.getLogger(__name__)
 
 DECIDED = ("cuda", "torch")
+CPU_OPS = ("dequantize_rotated", "centroid_values")  # ops with an implementation in flashquant_hf/cpu/<module>.py
 
 
 def implementation(module: str, *tensors: torch.Tensor, backend: str | None = None) -> ModuleType:
@@ -50,7 +54,17 @@ def _reference_unless_served(op: str, module: str, backend: str | None, tensors:
         if reason is None:
             return kernel
         warn_once(logger, f"flashquant-hf has no CUDA `{op}` kernel for {reason}; using the PyTorch reference")
+    elif op in CPU_OPS and all(t.device.type == "cpu" for t in tensors):
+        cpu = importlib.import_module(f"flashquant_hf.cpu.{module}")
+        if cpu.unsupported(*question) is None:
+            return cpu
     return importlib.import_module(f"flashquant_hf.reference.{module}")
+
+
+def attends_in_one_softmax(backend: str, query: torch.Tensor) -> bool:
+    """Whether a TurboQuantLayer on ``backend`` attends ``query`` over its sinks, compressed part and window in one
+    torch softmax (the CPU: a few large ops per layer) instead of ``tq_attention`` + ``merge_partials``."""
+    return backend == "torch" and query.device.type == "cpu"
 
 
 def compress(
@@ -78,6 +92,13 @@ def dequantize_rotated(packed, norms, centroids, bits, head_dim, *, backend: str
     return module.dequantize_rotated(packed, norms, centroids, bits, head_dim)
 
 
+def centroid_values(packed, centroids, bits, head_dim, *, backend: str | None = None):
+    """See :func:`flashquant_hf.reference.decompress.centroid_values` (no kernel: the torch products of the codecs
+    read it)."""
+    module = _reference_unless_served("centroid_values", "decompress", "torch", (packed,), head_dim, bits)
+    return module.centroid_values(packed, centroids, bits, head_dim)
+
+
 def tq_attention(
     q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
     causal=False, key_bias=None, *, backend: str | None = None,
@@ -94,3 +115,16 @@ def tq_attention(
 def merge_partials(outs, lses, *, backend: str | None = None):
     """See :func:`flashquant_hf.reference.merge_partials.merge_partials`."""
     return implementation("merge_partials", outs, backend=backend).merge_partials(outs, lses)
+
+
+def decode_merged(
+    q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, lengths, key_bias, extra_out, extra_lse,
+    k_bits, v_bits, scale, *, backend: str | None = None,
+):
+    """See :func:`flashquant_hf.reference.decode_merged.decode_merged`."""
+    module = _reference_unless_served("decode_merged", "decode_merged", backend, (q_rot, k_packed), k_bits, v_bits,
+                                      q_rot.shape[-1])
+    return module.decode_merged(
+        q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, lengths, key_bias, extra_out,
+        extra_lse, k_bits, v_bits, scale,
+    )

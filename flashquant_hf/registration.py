@@ -26,7 +26,8 @@ import torch
 from .attention import compressed_attention, exact_attention, to_model_layout
 from .log import warn_once
 from .masks import bias_from, causal_visible, mask_to_bias
-from .tags import TAG, CompressedPlan, FirstPrefillTag
+from .static_attention import static_decode_attention
+from .tags import TAG, CompressedPlan, FirstPrefillTag, StaticPlan
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,13 @@ def _serve_compressed(module, query, plan, attention_mask, name, dropout=0.0, sc
         cache.announce(name)
     with torch.no_grad():  # inference-only; also lets cached rotations made under inference_mode be used
         out = compressed_attention(plan, query, attention_mask, scaling=scaling, softcap=softcap, is_causal=causal)
+    return out, None
+
+
+def _serve_static(module, query, plan, attention_mask, name, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    _check_compressed_call(name, dropout, kwargs)
+    with torch.no_grad():
+        out = static_decode_attention(plan.layer, query, attention_mask, scaling=scaling, softcap=softcap)
     return out, None
 
 
@@ -125,6 +133,8 @@ def flashquant_attention_forward(
     (attn_output [B, Lq, Hq, D], None).
     """
     tag = getattr(key, TAG, None)
+    if isinstance(tag, StaticPlan):
+        return _serve_static(module, query, tag, attention_mask, NAME, dropout, scaling, softcap, **kwargs)
     if isinstance(tag, CompressedPlan):
         return _serve_compressed(module, query, tag, attention_mask, NAME, dropout, scaling, softcap, **kwargs)
     if isinstance(tag, FirstPrefillTag):
@@ -138,6 +148,8 @@ def _routing(name: str, original: Callable | None) -> Callable:
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         tag = getattr(key, TAG, None)
+        if isinstance(tag, StaticPlan):
+            return _serve_static(module, query, tag, attention_mask, name, *args, **kwargs)
         if isinstance(tag, CompressedPlan):
             return _serve_compressed(module, query, tag, attention_mask, name, *args, **kwargs)
         if isinstance(tag, FirstPrefillTag):

@@ -44,3 +44,11 @@ class FirstPrefillTag:
     """Marks the exact K/V returned by a layer's first update, so the attention can learn the model's layer types."""
 
     layer: "TurboQuantLayer"
+
+
+@dataclass(frozen=True, eq=False)
+class StaticPlan:
+    """Marks the tensors a static-capacity layer returns from every decode step: the attention reads ``layer``'s
+    fixed-size buffers and device counters (the tensors themselves hold nothing)."""
+
+    layer: "TurboQuantLayer"

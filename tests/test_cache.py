@@ -144,13 +144,13 @@ def test_window_block_compresses_whole_blocks():
         TurboQuantConfig(window_block=0)
 
 
-def test_attention_with_window_blocks_matches_float64_over_dequantized_kv():
+def test_attention_with_window_blocks_matches_float64_over_dequantized_kv(gen):
     layer = _layer(residual_length=2, window_block=3, sink_tokens=1, key_centering=True)
     _fill(layer, [9, 1, 1])
     out_k, _ = layer.update(*_kv(1, seed=50))
     plan = getattr(out_k, TAG)
     assert layer.num_compressed == 9 and layer.num_window == 2  # 1 sink + 8 (6 compressed), 1, 1, then 3 at once
-    query = torch.randn(B, 4, 1, D)
+    query = torch.randn(B, 4, 1, D, generator=gen)
     keys, values = layer.dequantize(torch.float64)
     expected = float64_attention(query, keys, values, None, 0.3)
     assert (compressed_attention(plan, query, None, scaling=0.3).double() - expected).abs().max().item() < 2e-5
@@ -178,12 +178,12 @@ def test_nbytes_counts_every_tensor():
     "bits, head_dim, minimum",
     [(4, 128, 3.4), (4, 64, 3.2), (3, 128, 4.4), (2.5, 128, 5.5)],
 )
-def test_cache_wide_compression_at_32k_tokens(bits, head_dim, minimum):
+def test_cache_wide_compression_at_32k_tokens(bits, head_dim, minimum, gen):
     """The presets' promised ratios (quality issue): every allocated byte against bf16 K/V of the same tokens."""
     layer = TurboQuantLayer(TurboQuantConfig(bits=bits), layer_idx=0)
     tokens = 32 * 1024
-    keys = torch.randn(1, 1, tokens, head_dim, dtype=torch.bfloat16)
-    values = torch.randn(1, 1, tokens, head_dim, dtype=torch.bfloat16)
+    keys = torch.randn(1, 1, tokens, head_dim, dtype=torch.bfloat16, generator=gen)
+    values = torch.randn(1, 1, tokens, head_dim, dtype=torch.bfloat16, generator=gen)
     layer.update(keys, values)
     layer.update(keys[:, :, :1], values[:, :, :1])  # one decode step: the window is full from here on
     bf16_bytes = 2 * (tokens + 1) * head_dim * 2
@@ -326,14 +326,14 @@ def test_no_full_precision_keys_attribute():
 @pytest.mark.parametrize("q_heads", [2, 6])  # MHA and GQA (3 query heads per KV head)
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "eager_float", "broadcast"])
 def test_compressed_attention_matches_float64_over_dequantized_kv(
-    residual, sinks, chunks, q_len, kc, vc, q_heads, mask_kind
+    residual, sinks, chunks, q_len, kc, vc, q_heads, mask_kind, gen
 ):
     layer = _layer(residual_length=residual, sink_tokens=sinks, key_centering=kc, value_centering=vc)
     _fill(layer, chunks, seed=3)
     out_k, _ = layer.update(*_kv(q_len, seed=77))
     plan = getattr(out_k, TAG)
     total = layer.get_seq_length()
-    query = torch.randn(B, q_heads, q_len, D)
+    query = torch.randn(B, q_heads, q_len, D, generator=gen)
     mask = None
     if mask_kind == "padding":
         mask = causal_mask(B, q_len, total, pad=[0, 3])
@@ -350,13 +350,13 @@ def test_compressed_attention_matches_float64_over_dequantized_kv(
     assert err < 2e-5, err
 
 
-def test_compressed_attention_soft_capping_and_irregular_masks_are_exact():
+def test_compressed_attention_soft_capping_and_irregular_masks_are_exact(gen):
     layer = _layer(residual_length=3, key_centering=True, value_centering=True)
     _fill(layer, [12])
     out_k, _ = layer.update(*_kv(4, seed=5))
     plan = getattr(out_k, TAG)
     total = layer.get_seq_length()
-    query = torch.randn(B, 4, 4, D)
+    query = torch.randn(B, 4, 4, D, generator=gen)
     keys, values = layer.dequantize(torch.float64)
     # A sliding window of 6 over a compressed layer: rows see different compressed keys.
     mask = causal_mask(B, 4, total)
@@ -370,7 +370,7 @@ def test_compressed_attention_soft_capping_and_irregular_masks_are_exact():
 
 
 @pytest.mark.parametrize("sliding", [False, True])
-def test_compressed_attention_long_chunk_checks_the_mask_in_row_blocks(sliding):
+def test_compressed_attention_long_chunk_checks_the_mask_in_row_blocks(sliding, gen):
     """A 300-token chunk (more than one 256-row block) over a compressed prefix, with padding."""
     layer = _layer(residual_length=8)
     _fill(layer, [40])
@@ -381,20 +381,20 @@ def test_compressed_attention_long_chunk_checks_the_mask_in_row_blocks(sliding):
     if sliding:  # irregular: the last rows no longer see the first compressed keys
         rows = torch.arange(total - 300, total)[:, None]
         mask &= (torch.arange(total)[None, :] > rows - 200)[None, None]
-    query = torch.randn(B, 4, 300, D)
+    query = torch.randn(B, 4, 300, D, generator=gen)
     keys, values = layer.dequantize(torch.float64)
     expected = float64_attention(query, keys, values, mask_to_bias(mask, B, 300, total), 0.25)
     got = compressed_attention(plan, query, mask, scaling=0.25)
     assert (got.double() - expected).abs().max().item() < 2e-5
 
 
-def test_compressed_attention_half_precision_model():
+def test_compressed_attention_half_precision_model(gen):
     layer = _layer(residual_length=2)
     for n in (9, 1):
         k, v = _kv(n, dtype=torch.bfloat16, seed=n)
         out = layer.update(k, v)
     plan = getattr(out[0], TAG)
-    query = torch.randn(B, 4, 1, D).to(torch.bfloat16)
+    query = torch.randn(B, 4, 1, D, generator=gen).to(torch.bfloat16)
     keys, values = layer.dequantize(torch.float64)
     expected = float64_attention(query.float(), keys, values, None, D**-0.5)
     got = compressed_attention(plan, query, None)
@@ -410,9 +410,9 @@ def test_compressed_attention_half_precision_model():
         (lambda: _kv(3, dim=8), ValueError, "head_dim=16"),
         (lambda: _kv(3, batch=3), ValueError, "batch=2"),
         (lambda: _kv(3, heads=4), ValueError, "kv_heads=2"),
-        (lambda: (torch.randn(B, 3, D), torch.randn(B, 3, D)), ValueError, r"\[batch, kv_heads, tokens, head_dim\]"),
-        (lambda: (torch.randn(B, H, 3, D), torch.randn(B, H, 3, 8)), ValueError, "same head_dim"),
-        (lambda: (torch.randn(B, H, 3, D), None), TypeError, "value_states"),
+        (lambda: (torch.zeros(B, 3, D), torch.zeros(B, 3, D)), ValueError, r"\[batch, kv_heads, tokens, head_dim\]"),
+        (lambda: (torch.zeros(B, H, 3, D), torch.zeros(B, H, 3, 8)), ValueError, "same head_dim"),
+        (lambda: (torch.zeros(B, H, 3, D), None), TypeError, "value_states"),
     ],
 )
 def test_bad_input_raises_and_leaves_the_layer_unchanged(make, error, match):
@@ -443,17 +443,17 @@ def test_failed_cache_update_adds_no_layer():
     assert len(cache.layers) == 1 and cache.get_seq_length() == 4
 
 
-def test_bad_query_and_mask_raise():
+def test_bad_query_and_mask_raise(gen):
     layer = _layer(residual_length=1)
     _fill(layer, [5])
     out_k, _ = layer.update(*_kv(1))
     plan = getattr(out_k, TAG)
     with pytest.raises(ValueError, match="`query`"):
-        compressed_attention(plan, torch.randn(B, 3, 1, D), None)
+        compressed_attention(plan, torch.randn(B, 3, 1, D, generator=gen), None)
     out_k, _ = layer.update(*_kv(1))
     plan = getattr(out_k, TAG)
     with pytest.raises(ValueError, match="attention_mask"):
-        compressed_attention(plan, torch.randn(B, 4, 1, D), torch.ones(B, 1, 1, 3, dtype=torch.bool))
+        compressed_attention(plan, torch.randn(B, 4, 1, D, generator=gen), torch.ones(B, 1, 1, 3, dtype=torch.bool))
 
 
 def test_cache_builds_from_overrides_and_configs():

@@ -40,28 +40,28 @@ def _code(codec, x):
     return codec.encode(x, order, _compress), order
 
 
-def test_plain_code_is_the_quantizer_code():
+def test_plain_code_is_the_quantizer_code(gen):
     codec = _codec(bits=4)
-    x = torch.randn(B, H, 9, D)
+    x = torch.randn(B, H, 9, D, generator=gen)
     tensors, order = _code(codec, x)
     assert codec.is_plain and order is None and codec.tensor_count == 2
     expected = codec.quantizer.compress_tensors(x)
     assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
 
 
-def test_plain_code_decodes_like_the_quantizer():
+def test_plain_code_decodes_like_the_quantizer(gen):
     codec = _codec(bits=3)
-    x = torch.randn(B, H, 9, D)
+    x = torch.randn(B, H, 9, D, generator=gen)
     tensors, order = _code(codec, x)
     expected = codec.quantizer.decompress(CompressedTensor(*tensors, x.shape, torch.float32, 3))
     torch.testing.assert_close(codec.decode(tensors, order), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("outliers, qjl", [(4, False), (0, True), (6, True)])
-def test_split_code_layout_spends_the_bits_it_promises(outliers, qjl):
+def test_split_code_layout_spends_the_bits_it_promises(outliers, qjl, gen):
     bits = 3
     codec = _codec(bits=bits, outliers=outliers, qjl=qjl)
-    tensors, _ = _code(codec, torch.randn(B, H, 5, D))
+    tensors, _ = _code(codec, torch.randn(B, H, 5, D, generator=gen))
     assert len(tensors) == codec.tensor_count and not codec.is_plain
     code_bits = bits - 1 if qjl else bits
     widths = [(outliers, code_bits + 1), (D - outliers, code_bits)] if outliers else [(D, code_bits)]
@@ -75,10 +75,10 @@ def test_split_code_layout_spends_the_bits_it_promises(outliers, qjl):
     assert D * bits + outliers <= index_bits < D * bits + outliers + 8 * len(widths)
 
 
-def test_outlier_channels_are_the_largest_mean_square_per_head():
+def test_outlier_channels_are_the_largest_mean_square_per_head(gen):
     codec = _codec(outliers=4)
-    x = torch.randn(B, H, 200, D)
-    heavy = [[torch.randperm(D)[:4] for _ in range(H)] for _ in range(B)]
+    x = torch.randn(B, H, 200, D, generator=gen)
+    heavy = [[torch.randperm(D, generator=gen)[:4] for _ in range(H)] for _ in range(B)]
     for b in range(B):
         for h in range(H):
             x[b, h, :, heavy[b][h]] *= torch.tensor([16.0, 8.0, 4.0, 2.0])
@@ -90,10 +90,10 @@ def test_outlier_channels_are_the_largest_mean_square_per_head():
             assert torch.equal(rest, rest.sort().values) and sorted(order[b, h].tolist()) == list(range(D))
 
 
-def test_outlier_channels_cut_the_error_of_heavy_channels():
+def test_outlier_channels_cut_the_error_of_heavy_channels(gen):
     """Vectors with 8 heavy channels of 64: the split code (2 bits, 8 channels at 3) beats the plain 2-bit code."""
     head_dim = 64
-    x = torch.randn(1, 4, 400, head_dim)
+    x = torch.randn(1, 4, 400, head_dim, generator=gen)
     x[..., 10:18] *= 6.0
     errors = {}
     for outliers in (0, 8):
@@ -104,24 +104,24 @@ def test_outlier_channels_cut_the_error_of_heavy_channels():
 
 
 @pytest.mark.parametrize("outliers, qjl", [(0, False), (4, False), (0, True), (4, True)])
-def test_dot_and_weighted_sum_equal_products_with_the_decoded_vectors(outliers, qjl):
+def test_dot_and_weighted_sum_equal_products_with_the_decoded_vectors(outliers, qjl, gen):
     codec = _codec(bits=3, outliers=outliers, qjl=qjl)
-    x = torch.randn(B, H, 13, D)
+    x = torch.randn(B, H, 13, D, generator=gen)
     tensors, order = _code(codec, x)
     decoded = codec.decode(tensors, order).double()
-    q = torch.randn(B, H, 5, D)
-    p = torch.rand(B, H, 5, 13)
+    q = torch.randn(B, H, 5, D, generator=gen)
+    p = torch.rand(B, H, 5, 13, generator=gen)
     assert torch.allclose(codec.dot(q, tensors, order).double(), q.double() @ decoded.transpose(-1, -2), atol=1e-4)
     assert torch.allclose(codec.weighted_sum(p, tensors, order).double(), p.double() @ decoded, atol=1e-4)
 
 
-def test_qjl_scores_are_unbiased_where_the_mse_code_shrinks_them():
+def test_qjl_scores_are_unbiased_where_the_mse_code_shrinks_them(gen):
     """Over 10^5 (query, key) pairs per seed the QJL score's slope against the true one is 1 within 1% (mean of
     3 seeds); the 2-bit MSE code without norm correction (what QJL spends its first bits on) shrinks scores by
     ~11%, so the test can fail. (A sketch drawn from the rotation's random stream gave 0.99.)"""
     head_dim, keys, queries = 64, 2000, 50
-    x = torch.randn(1, 1, keys, head_dim)
-    q = torch.randn(1, 1, queries, head_dim)
+    x = torch.randn(1, 1, keys, head_dim, generator=gen)
+    q = torch.randn(1, 1, queries, head_dim, generator=gen)
     true = (q.double() @ x.double().transpose(-1, -2)).flatten()
     slopes = {"qjl": 0.0, "mse": 0.0}
     for seed in range(3):
@@ -171,13 +171,13 @@ LEVERS = {
 )
 @pytest.mark.parametrize("padding", [False, True])
 def test_attention_over_split_codes_matches_float64_over_decoded_kv(levers, residual, sinks, chunks, q_len, centring,
-                                                                      padding):
+                                                                      padding, gen):
     layer = _layer(residual_length=residual, sink_tokens=sinks, key_centering=centring, value_centering=centring,
                    **LEVERS[levers])
     plan = _feed(layer, chunks[:-1] + [q_len], seed=3)
     assert not layer.is_plain and layer.num_compressed > 0
     total = layer.get_seq_length()
-    query = torch.randn(B, 6, q_len, D)
+    query = torch.randn(B, 6, q_len, D, generator=gen)
     mask = causal_mask(B, q_len, total, pad=[0, 2] if padding else None)
     keys, values = layer.dequantize(torch.float64)
     expected = float64_attention(query, keys, values, mask_to_bias(mask, B, q_len, total), 0.3)

@@ -22,7 +22,7 @@ def split_lengths(plan):
     return [split_len] * long_splits + [short_len] * (plan.splits - long_splits)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)  # the same examples on every run
 @given(units=st.integers(1, 300), length=st.integers(1, 300_000), sms=st.sampled_from([66, 108, 132]),
        log2_bs=st.sampled_from([None, 3, 4, 6]), speedup=st.sampled_from([1.05, 1.09, 1.2]))
 def test_balanced_plan_covers_the_keys_and_shortens_the_slowest_place(units, length, sms, log2_bs, speedup):

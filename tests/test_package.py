@@ -1,13 +1,14 @@
-"""The package's module graph: no import cycle among its modules, and only ``ops.py`` reaches the two
-implementations of the ops (``kernels/`` and ``reference/``), so the kernel-or-reference choice lives there."""
+"""The package's module graph: no import cycle among its modules, and only ``ops.py`` reaches the
+implementations of the ops (``kernels/``, ``reference/`` and ``cpu/``), so the choice between them lives there."""
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flashquant_hf"
-IMPLEMENTATIONS = ("flashquant_hf.kernels", "flashquant_hf.reference")
+IMPLEMENTATIONS = ("flashquant_hf.kernels", "flashquant_hf.reference", "flashquant_hf.cpu")
 
 
 def _module_name(path: Path) -> str:
@@ -119,9 +120,9 @@ def test_only_ops_reaches_kernels_and_reference():
         assert '"flashquant_hf.kernels' not in source and '"flashquant_hf.reference' not in source, name
 
 
-def test_kernels_and_reference_do_not_reach_each_other():
+def test_implementations_do_not_reach_each_other():
     graph = _graph()
     for name, targets in graph.items():
-        for own, other in (IMPLEMENTATIONS, IMPLEMENTATIONS[::-1]):
+        for own, other in itertools.permutations(IMPLEMENTATIONS, 2):
             if name.startswith(own):
                 assert not [t for t in targets if t.startswith(other)], name

@@ -19,7 +19,7 @@ def test_tq2_and_tq3_are_msb_first_bit_streams():
     assert pack_indices(idx, 3).tolist() == [expected]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)  # the same examples on every run
 @given(
     bits=st.sampled_from([1, 2, 3, 4]),
     head_dim=st.sampled_from([2, 6, 10, 64, 128, 256]),

@@ -38,7 +38,8 @@ def test_sections_byte_picture():
     assert head[28:32].view(torch.float32).item() == 1.0
     assert head[48:50].tolist() == [0xAB, 0xCD]
     assert head[92:96].view(torch.float32).item() == -2.0
-    assert int(blocks[0, 0].sum()) == 0 and int(head.count_nonzero()) == 2 + 2 + 2 + 1  # 1.0f, -2.0f: 2 and 1 non-zero bytes
+    # 1.0f, -2.0f: 2 and 1 non-zero bytes
+    assert int(blocks[0, 0].sum()) == 0 and int(head.count_nonzero()) == 2 + 2 + 2 + 1
 
 
 @pytest.mark.parametrize("bad", [dict(block_size=12), dict(head_dim=7), dict(k_bits=5), dict(num_kv_heads=0)])
@@ -72,24 +73,24 @@ def test_reserve_slot_mapping_crosses_blocks():
     assert cache.block_table([a]).dtype == torch.int32
 
 
-def test_failed_calls_change_nothing():
+def test_failed_calls_change_nothing(gen):
     cache = PagedTQCache(num_blocks=2, block_size=8, num_kv_heads=1, head_dim=64)
     seq = cache.add_sequence()
     before = (cache.allocator.num_free, cache.seq_len(seq), cache.blocks.clone())
     with pytest.raises(RuntimeError, match="out of KV blocks"):
         cache.reserve([seq], [17])
     with pytest.raises(ValueError, match="`k` must be"):
-        cache.append([seq], torch.randn(3, 2, 64), torch.randn(3, 2, 64))
+        cache.append([seq], torch.randn(3, 2, 64, generator=gen), torch.randn(3, 2, 64, generator=gen))
     with pytest.raises(ValueError, match="unknown sequence"):
         cache.reserve([seq + 1], [1])
     assert (cache.allocator.num_free, cache.seq_len(seq)) == before[:2]
     assert torch.equal(cache.blocks, before[2])
 
 
-def test_free_sequence_returns_blocks():
+def test_free_sequence_returns_blocks(gen):
     cache = PagedTQCache(num_blocks=4, block_size=16, num_kv_heads=1, head_dim=64)
     seq = cache.add_sequence()
-    cache.append([seq], torch.randn(40, 1, 64), torch.randn(40, 1, 64))
+    cache.append([seq], torch.randn(40, 1, 64, generator=gen), torch.randn(40, 1, 64, generator=gen))
     assert cache.allocator.num_free == 1
     cache.free_sequence(seq)
     assert cache.allocator.num_free == 4
@@ -114,15 +115,14 @@ def _contiguous_copy(cache: PagedTQCache, seq: int, layer: int = 0):
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
-def test_append_stores_compressed_tokens(block_size):
-    torch.manual_seed(block_size)
+def test_append_stores_compressed_tokens(block_size, gen):
     cache = PagedTQCache(num_blocks=16, block_size=block_size, num_kv_heads=2, head_dim=64)
     seqs = [cache.add_sequence() for _ in range(3)]
     keys = {s: [] for s in seqs}
     values = {s: [] for s in seqs}
     for lens in ([37, 1, 0], [1, 1, 1], [0, 70, 5]):  # prefill chunks, decode steps, ragged appends
-        k = torch.randn(sum(lens), 2, 64, dtype=torch.bfloat16)
-        v = torch.randn(sum(lens), 2, 64, dtype=torch.bfloat16)
+        k = torch.randn(sum(lens), 2, 64, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(sum(lens), 2, 64, dtype=torch.bfloat16, generator=gen)
         cache.append(seqs, k, v, num_tokens=lens)
         for s, a, n in zip(seqs, [0, lens[0], lens[0] + lens[1]], lens):
             keys[s].append(k[a : a + n])
@@ -138,7 +138,7 @@ def test_append_stores_compressed_tokens(block_size):
 
 
 def _random_cache(block_size, kv_heads, head_dim, lens, bits=4, seed=0):
-    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
     kq = TurboQuantizer(head_dim, bits, seed=3)
     vq = TurboQuantizer(head_dim, bits, seed=4)
     total_blocks = sum(-(-n // block_size) for n in lens) + 3
@@ -146,9 +146,11 @@ def _random_cache(block_size, kv_heads, head_dim, lens, bits=4, seed=0):
     seqs = [cache.add_sequence() for _ in lens]
     # A throw-away sequence first, freed again, so block ids are not simply 0, 1, 2, ...
     junk = cache.add_sequence()
-    cache.append([junk], torch.randn(2 * block_size + 1, kv_heads, head_dim), torch.randn(2 * block_size + 1, kv_heads, head_dim))
+    junk_kv = torch.randn(2, 2 * block_size + 1, kv_heads, head_dim, generator=gen)
+    cache.append([junk], junk_kv[0], junk_kv[1])
     for s, n in zip(seqs, lens):
-        cache.append([s], torch.randn(n, kv_heads, head_dim) * 3, torch.randn(n, kv_heads, head_dim))
+        k, v = torch.randn(2, n, kv_heads, head_dim, generator=gen)
+        cache.append([s], k * 3, v)
     cache.free_sequence(junk)
     return cache, seqs
 
@@ -156,12 +158,12 @@ def _random_cache(block_size, kv_heads, head_dim, lens, bits=4, seed=0):
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_reference_paged_equals_contiguous(block_size, group, head_dim):
+def test_reference_paged_equals_contiguous(block_size, group, head_dim, gen):
     lens = [1, 0, 97, 2 * block_size, 300]
     kv_heads = 2
     cache, seqs = _random_cache(block_size, kv_heads, head_dim, lens, seed=block_size + group + head_dim)
     lay = cache.layout
-    q_rot = torch.randn(len(seqs), kv_heads * group, head_dim)
+    q_rot = torch.randn(len(seqs), kv_heads * group, head_dim, generator=gen)
     kc, vc = cache.k_quantizer.centroids(), cache.v_quantizer.centroids()
     scale = head_dim**-0.5
     out, lse = paged_decode(
@@ -186,9 +188,9 @@ def test_reference_paged_equals_contiguous(block_size, group, head_dim):
 
 
 @pytest.mark.parametrize("bits", [2, 3])
-def test_reference_paged_other_bit_widths(bits):
+def test_reference_paged_other_bit_widths(bits, gen):
     cache, seqs = _random_cache(16, 1, 64, [5, 33], bits=bits)
-    q_rot = torch.randn(2, 2, 64)
+    q_rot = torch.randn(2, 2, 64, generator=gen)
     kc, vc = cache.k_quantizer.centroids(), cache.v_quantizer.centroids()
     out, lse = paged_decode(q_rot, cache.blocks[0], cache.block_table(seqs), cache.seq_lens(seqs), kc, vc,
                             bits, bits, 0.125, 16)
@@ -199,10 +201,10 @@ def test_reference_paged_other_bit_widths(bits):
         torch.testing.assert_close(lse[i], want_l[0, :, 0])
 
 
-def test_cache_decode_matches_exact_attention_on_dequantized_cache():
+def test_cache_decode_matches_exact_attention_on_dequantized_cache(gen):
     """PagedTQCache.decode (rotate q, paged decode, rotate back) == float64 attention over decompressed K/V."""
     cache, seqs = _random_cache(16, 2, 64, [50, 7])
-    q = torch.randn(2, 4, 64)
+    q = torch.randn(2, 4, 64, generator=gen)
     out, lse = cache.decode(q, seqs)
     for i, s in enumerate(seqs):
         k_idx, k_nrm, v_idx, v_nrm = _contiguous_copy(cache, s)

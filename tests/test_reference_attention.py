@@ -28,12 +28,12 @@ def _dense_attention_f64(q, k, v, scale, causal, key_bias=None):
     return p @ v, lse
 
 
-def _compressed_case(batch, q_heads, kv_heads, q_len, kv_len, head_dim, bits=4):
-    kq = TurboQuantizer(head_dim, bits, seed=torch.randint(0, 999, ()).item())
-    vq = TurboQuantizer(head_dim, bits, seed=torch.randint(1000, 1999, ()).item())
-    q = torch.randn(batch, q_heads, q_len, head_dim)
-    k = torch.randn(batch, kv_heads, kv_len, head_dim)
-    v = torch.randn(batch, kv_heads, kv_len, head_dim)
+def _compressed_case(gen, batch, q_heads, kv_heads, q_len, kv_len, head_dim, bits=4):
+    kq = TurboQuantizer(head_dim, bits, seed=int(torch.randint(0, 999, (), generator=gen)))
+    vq = TurboQuantizer(head_dim, bits, seed=int(torch.randint(1000, 1999, (), generator=gen)))
+    q = torch.randn(batch, q_heads, q_len, head_dim, generator=gen)
+    k = torch.randn(batch, kv_heads, kv_len, head_dim, generator=gen)
+    v = torch.randn(batch, kv_heads, kv_len, head_dim, generator=gen)
     kc, vc = kq.compress(k), vq.compress(v)
     return q, kq, vq, kc, vc
 
@@ -54,33 +54,36 @@ def _rel(a, b):
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
 @pytest.mark.parametrize("q_len,kv_len,causal", [(1, 37, False), (13, 13, True), (5, 40, True), (9, 23, False)])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_matches_dense_attention_over_decompressed_kv(q_heads, kv_heads, q_len, kv_len, causal, bits):
-    q, kq, vq, kc, vc = _compressed_case(2, q_heads, kv_heads, q_len, kv_len, 64, bits)
+def test_matches_dense_attention_over_decompressed_kv(q_heads, kv_heads, q_len, kv_len, causal, bits, gen):
+    q, kq, vq, kc, vc = _compressed_case(gen, 2, q_heads, kv_heads, q_len, kv_len, 64, bits)
     scale = 1 / math.sqrt(64)
     out, lse = _run(q, kq, vq, kc, vc, scale, causal)
-    ref, ref_lse = _dense_attention_f64(q, kq.decompress(kc, torch.float64), vq.decompress(vc, torch.float64), scale, causal)
+    keys, values = kq.decompress(kc, torch.float64), vq.decompress(vc, torch.float64)
+    ref, ref_lse = _dense_attention_f64(q, keys, values, scale, causal)
     assert _rel(out, ref) < 1e-5
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_key_bias_masks_padding_and_fully_masked_rows_are_zero():
-    q, kq, vq, kc, vc = _compressed_case(2, 4, 2, 3, 11, 64)
+def test_key_bias_masks_padding_and_fully_masked_rows_are_zero(gen):
+    q, kq, vq, kc, vc = _compressed_case(gen, 2, 4, 2, 3, 11, 64)
     bias = torch.zeros(2, 11)
     bias[0, :4] = float("-inf")  # left padding of sequence 0
     bias[1, :] = float("-inf")  # sequence 1 sees nothing
     out, lse = _run(q, kq, vq, kc, vc, 0.125, False, key_bias=bias)
-    ref, ref_lse = _dense_attention_f64(q[:1], kq.decompress(kc, torch.float64)[:1], vq.decompress(vc, torch.float64)[:1], 0.125, False, bias[:1])
+    keys, values = kq.decompress(kc, torch.float64)[:1], vq.decompress(vc, torch.float64)[:1]
+    ref, ref_lse = _dense_attention_f64(q[:1], keys, values, 0.125, False, bias[:1])
     assert _rel(out[:1], ref) < 1e-5
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert torch.isneginf(lse[1]).all() and not out.isnan().any()
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 16])
-def test_merge_partials_equals_unsplit(splits):
+def test_merge_partials_equals_unsplit(splits, gen):
     """Partial attentions over disjoint key ranges (some empty) merge to the full result."""
-    q, kq, vq, kc, vc = _compressed_case(2, 8, 2, 1, 50, 64)
+    q, kq, vq, kc, vc = _compressed_case(gen, 2, 8, 2, 1, 50, 64)
     full, full_lse = _run(q, kq, vq, kc, vc, 0.125, False)
-    cuts = sorted(torch.randint(0, 51, (splits - 1,)).tolist() + [0, 0, 50])  # repeated cut -> empty split
+    # A repeated cut makes an empty split.
+    cuts = sorted(torch.randint(0, 51, (splits - 1,), generator=gen).tolist() + [0, 0, 50])
     outs, lses = [], []
     for a, b in zip(cuts[:-1], cuts[1:]):
         sl = slice(a, b)
@@ -93,8 +96,8 @@ def test_merge_partials_equals_unsplit(splits):
     torch.testing.assert_close(merged_lse, full_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_merge_of_only_empty_splits_is_zero_with_neg_inf_lse():
-    out, lse = merge_partials(torch.randn(3, 2, 8), torch.full((3, 2), float("-inf")))
+def test_merge_of_only_empty_splits_is_zero_with_neg_inf_lse(gen):
+    out, lse = merge_partials(torch.randn(3, 2, 8, generator=gen), torch.full((3, 2), float("-inf")))
     assert torch.equal(out, torch.zeros(2, 8)) and torch.isneginf(lse).all()
 
 
@@ -119,11 +122,11 @@ def test_every_kernel_op_has_a_reference_of_the_same_name_and_signature(op, func
     assert params == [(p.name, p.kind, p.default) for p in inspect.signature(reference).parameters.values()]
 
 
-def test_reference_tq_decode_takes_one_query_token():
+def test_reference_tq_decode_takes_one_query_token(gen):
     """The reference tq_decode keeps the CUDA decode's contract (Lq == 1) and equals tq_attention there."""
     from flashquant_hf.reference.tq_decode import tq_decode
 
-    q, kq, vq, kc, vc = _compressed_case(2, 4, 2, 1, 30, 64)
+    q, kq, vq, kc, vc = _compressed_case(gen, 2, 4, 2, 1, 30, 64)
     args = (kc.indices, kc.norms, vc.indices, vc.norms, kq.centroids(), vq.centroids(), 4, 4, 0.125)
     q_rot = q @ kq.rotation().T
     out, lse = tq_decode(q_rot, *args)

@@ -1,17 +1,16 @@
 """TurboQuantCache under transformers tensor parallelism (``tp_plan="auto"``), two gloo ranks on the CPU.
 
-The multi-GPU run of the same check needs a machine with several GPUs (issue #8); this one exercises the part
+The multi-GPU run of the same check needs a machine with several GPUs; this one exercises the part
 that does not: per-rank KV heads reaching the cache, and results equal to the single-process model.
 """
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import tp_worker
-from hf_helpers import VOCAB, cache_kwargs, tiny_model
+from hf_helpers import cache_kwargs, prompt_ids, tiny_model
 from transformers import DynamicCache
 
 from flashquant_hf import TurboQuantCache
@@ -27,7 +26,7 @@ def tp_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     model = tiny_model("llama")
     model.save_pretrained(tmp / "model")
-    prompt = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(2))))
+    prompt = prompt_ids(1, 20, seed=5)
     return model, prompt, tp_worker.launch(runner, tmp / "model", prompt, STEPS, tmp)
 
 

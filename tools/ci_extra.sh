@@ -47,7 +47,7 @@ for name in installed cuda_compile cache codec eval generate models tensor_paral
     tests+=("$repo/tests/test_$name.py")
 done
 rc=0
-"$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "${tests[@]}" || rc=$?
+"$venv/bin/python" -m pytest -q -rs -n auto -p no:cacheprovider "${tests[@]}" || rc=$?
 echo "tools/ci_extra.sh: ${SECONDS} s"
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: treating as a failure" >&2; exit 1; fi
 exit "$rc"

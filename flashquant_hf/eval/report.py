@@ -51,9 +51,13 @@ def _cells(row: dict[str, Any]) -> list[str]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A fixed-width table: name, perplexity (± std over seeds), delta % vs dynamic, KV bytes, compression (at this
     run's length and projected to 32K tokens), tok/s, the row's seconds."""
-    cells = [_cells(row) for row in rows]
-    widths = [max(len(COLUMNS[i]), *(len(c[i]) for c in cells)) for i in range(len(COLUMNS))]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(COLUMNS, widths)))]
+    return fixed_width_table(COLUMNS, [_cells(row) for row in rows])
+
+
+def fixed_width_table(header: list[str], cells: list[list[str]]) -> str:
+    """``header``, a rule and one line per row of ``cells``: the first column left-aligned, the others right."""
+    widths = [max(len(header[i]), *(len(c[i]) for c in cells)) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
     lines.append("  ".join("-" * w for w in widths))
     for c in cells:
         lines.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
@@ -150,17 +154,10 @@ def save_plot(path: str | Path, rows: list[dict[str, Any]], title: str = "") -> 
 
     Uses matplotlib's object API with the Agg canvas, so no display or pyplot state is touched.
     """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise EvalInputError("`--plot` needs matplotlib: pip install 'flashquant-hf[eval]'") from None
-    path = Path(path)
     names = [row["name"] for row in rows]
     ppls = [row["ppl"] for row in rows]
     spread = [row.get("ppl_std", 0.0) for row in rows]
-    fig = Figure(figsize=(max(5.0, 1.2 * len(rows) + 2), 4.0), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(max(5.0, 1.2 * len(rows) + 2), 4.0))
     ax = fig.add_subplot()
     colors = ["#777777"] + ["#1f77b4"] * (len(rows) - 1)
     # Error bars only where several seeds were run (a zero-length bar still draws its caps).
@@ -174,6 +171,24 @@ def save_plot(path: str | Path, rows: list[dict[str, Any]], title: str = "") -> 
     ax.set_ylim(0, max(ppls) * 1.25)
     ax.set_title(title, fontsize=9)
     ax.tick_params(axis="x", labelrotation=20)
+    return save_figure(fig, path)
+
+
+def agg_figure(figsize: tuple[float, float]):
+    """A matplotlib Figure (constrained layout) on the Agg canvas: no display or pyplot state is touched."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise EvalInputError("`--plot` needs matplotlib: pip install 'flashquant-hf[eval]'") from None
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (its folder created); EvalInputError where it cannot be written."""
+    path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)

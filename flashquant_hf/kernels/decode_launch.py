@@ -324,7 +324,7 @@ def _workspace(device_index: int, splits: int, rows: int, head_dim: int) -> tupl
 
 @dataclass(frozen=True)
 class _Launch:
-    """Everything about one decode call that depends only on its shape: kernels, grid, plan, workspace."""
+    """Everything about one decode call that depends only on its shape: kernels, grid, plan."""
 
     kernel: Any
     merge: Any
@@ -333,8 +333,6 @@ class _Launch:
     grid: tuple[int, int, int]
     threads: int
     plan: DecodePlan
-    part_out: torch.Tensor | None
-    part_lse: torch.Tensor | None
     prefetch: int  # the kernel's L2 prefetch distance (chunks)
 
 
@@ -371,17 +369,14 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, bits: tuple[int, int]
                      reduction_bytes(head_dim, warps))
     plan = dataclasses.replace(plan, shared_mem=shared_mem)
     grid = (plan.splits, kv_heads * head_groups, batch)
-    merge = part_out = part_lse = None
-    merge_ptr = 0
+    merge, merge_ptr = None, 0
     if plan.splits > 1:
-        part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
         merge, merge_ptr = merge_partials.merge_kernel(head_dim, index, plan.splits)
     if mode != MODE_PAGED:
         prefetch = CONTIGUOUS_PREFETCH_CHUNKS
     else:
         prefetch = TMA_PREFETCH_CHUNKS if TMA_OPTION in options else PREFETCH_CHUNKS
-    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, part_out,
-                    part_lse, prefetch)
+    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, prefetch)
     if len(_LAUNCHES) >= _CACHE_LIMIT:
         _LAUNCHES.clear()
     _LAUNCHES[key] = found
@@ -392,17 +387,23 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
                   shared_mem: int = 0) -> None:
     """:func:`flashquant_hf.kernels.loader.launch_cached` with this module's ``FAST_LAUNCH`` and
     ``PROGRAMMATIC_LAUNCH`` settings."""
-    loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH,
-                         PROGRAMMATIC_LAUNCH)
+    # Inside a CUDA-graph capture the launches are ordinary ones: the captured graph orders its kernels itself.
+    programmatic = PROGRAMMATIC_LAUNCH and not torch.cuda.is_current_stream_capturing()
+    loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH, programmatic)
 
 
 def run_decode(
     mode: int, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, batch: int, kv_heads: int,
     group: int, max_len: int, centroids: tuple[torch.Tensor, torch.Tensor], bits: tuple[int, int], scale: float,
     out: torch.Tensor, lse: torch.Tensor, log2_block_size: int | None = None,
+    extra: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Plan, launch the decode kernel and (for several splits) the merge into ``out``, ``lse`` (contiguous,
     ``rows x D`` and ``rows`` elements).
+
+    ``extra``: one more partial result ``(out [rows, D], lse [rows])`` fp32 that joins the merge as a last split
+    (the exact part of a layer); the partials then live in a workspace allocated by torch for this call (graph-safe:
+    under a CUDA-graph capture it comes from the graph's pool), and the merge always runs.
 
     ``tensor_args``: the 25 layout arguments of the kernel between the query strides and ``k_cent`` (pointers as
     tensors or ``NULL``, strides as ``np.int64``, ints as int). The grid's units are ``units_shape(batch, H_kv,
@@ -419,20 +420,30 @@ def run_decode(
     setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], bits, index, units_shape(batch, kv_heads, group),
                         rows, length, log2_block_size, head_slots(group))
     plan = setup.plan
-    if plan.splits == 1:  # written directly
+    merge, merge_ptr, merged_splits = setup.merge, setup.merge_ptr, plan.splits
+    if extra is not None:
+        merged_splits = plan.splits + 1
+        part_out = torch.empty(merged_splits, rows, head_dim, dtype=torch.float32, device=q3.device)
+        part_lse = torch.empty(merged_splits, rows, dtype=torch.float32, device=q3.device)
+        part_out[plan.splits].copy_(extra[0].reshape(rows, head_dim))
+        part_lse[plan.splits].copy_(extra[1].reshape(rows))
+        merge, merge_ptr = merge_partials.merge_kernel(head_dim, index, merged_splits)
+    elif plan.splits == 1:  # written directly
         part_out, part_lse = out, lse
     else:
-        part_out, part_lse = setup.part_out, setup.part_lse
+        # Allocated here, not with the plan: a compiled step (which always passes ``extra``) must not create it
+        # inside a CUDA-graph pool that outlives the step.
+        part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
     args = (
         q3, np.int64(q_strides[0]), np.int64(q_strides[1]), np.int64(q_strides[2]), *tensor_args,
         centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, *plan.kernel_lengths,
         part_out, part_lse, rows, setup.prefetch,
     )
     launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
-    if setup.merge is not None:
-        merge_args = merge_partials.contiguous_merge_args(part_out, part_lse, out, lse, plan.splits, rows, head_dim)
-        launch_cached(setup.merge, setup.merge_ptr, merge_partials.merge_grid(rows), merge_partials.MERGE_THREADS,
-                      merge_args, index)
+    if merge is not None:
+        merge_args = merge_partials.contiguous_merge_args(part_out, part_lse, out, lse, merged_splits, rows, head_dim)
+        launch_cached(merge, merge_ptr, merge_partials.merge_grid(rows), merge_partials.MERGE_THREADS, merge_args,
+                      index)
 
 
 def check_query(q_rot: torch.Tensor, rank: int, layout: str) -> None:

@@ -26,7 +26,9 @@ def _check_cache_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple, 
         checks.check_aligned_rows(name, t, alignment)
 
 
-def _check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias) -> None:
+def check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias) -> None:
+    """ValueError naming the problem unless the decode inputs have the shapes, dtypes, device and alignment the
+    kernel reads."""
     check_query(q_rot, 4, "[B, Hq, 1, D]")
     batch, q_heads, q_len, head_dim = q_rot.shape
     if q_len != 1:
@@ -79,10 +81,9 @@ def tq_decode(
     out 0) where no key is visible
     """
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
-    _check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
+    check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
     batch, q_heads, _, head_dim = q_rot.shape
-    kv_heads, num_keys = k_packed.shape[1], k_packed.shape[2]
-    group = q_heads // kv_heads
+    num_keys = k_packed.shape[2]
     # Allocated in their final shapes (contiguous, row = b * Hq + h): no views per call.
     out = torch.empty(batch, q_heads, 1, head_dim, dtype=torch.float32, device=q_rot.device)
     lse = torch.empty(batch, q_heads, 1, dtype=torch.float32, device=q_rot.device)
@@ -90,6 +91,22 @@ def tq_decode(
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
+    launch_contiguous(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
+                      key_bias, out, lse)
+    return out, lse
+
+
+def launch_contiguous(
+    q_rot: torch.Tensor, k_packed: torch.Tensor, k_norms: torch.Tensor, v_packed: torch.Tensor, v_norms: torch.Tensor,
+    k_centroids: torch.Tensor, v_centroids: torch.Tensor, k_bits: int, v_bits: int, scale: float,
+    key_bias: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor | None = None,
+    extra: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Launch the decode over the contiguous layout into ``out`` / ``lse`` (checked inputs, at least one key of
+    capacity). ``lengths``: int32 ``[B]`` live keys per sequence on the device (default: all ``N`` keys);
+    ``extra``: one more partial merged in (see :func:`~flashquant_hf.kernels.decode_launch.run_decode`)."""
+    batch, q_heads, _, head_dim = q_rot.shape
+    kv_heads, num_keys = k_packed.shape[1], k_packed.shape[2]
     i64 = np.int64
     ks, kns, vs, vns = k_packed.stride(), k_norms.stride(), v_packed.stride(), v_norms.stride()
     if key_bias is None:
@@ -102,12 +119,11 @@ def tq_decode(
         v_packed, i64(vs[0]), i64(vs[1]), i64(vs[2]),
         v_norms, i64(vns[0]), i64(vns[1]), i64(vns[2]),
         *bias_args,
-        NULL, i64(0), NULL,
+        NULL, i64(0), NULL if lengths is None else lengths,
         i64(0), 0, num_keys,
     )
     qs = q_rot.stride()
     run_decode(
-        mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, batch, kv_heads, group,
-        num_keys, (k_centroids, v_centroids), (k_bits, v_bits), float(scale), out, lse,
+        mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, batch, kv_heads, q_heads // kv_heads,
+        num_keys, (k_centroids, v_centroids), (k_bits, v_bits), float(scale), out, lse, extra=extra,
     )
-    return out, lse

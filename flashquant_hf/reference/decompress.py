@@ -28,8 +28,13 @@ def decompress(
     return (rotated @ rotation).to(dtype)
 
 
+def centroid_values(packed: torch.Tensor, centroids: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
+    """``centroids[idx]`` (fp32 [..., D]): the unit-norm code in rotated space, before its norm scales it."""
+    return centroids[unpack_indices(packed, bits, head_dim)]
+
+
 def dequantize_rotated(
     packed: torch.Tensor, norms: torch.Tensor, centroids: torch.Tensor, bits: int, head_dim: int
 ) -> torch.Tensor:
     """``norm * centroids[idx]`` in rotated space (fp32 [..., D]): what the attention kernels read."""
-    return centroids[unpack_indices(packed, bits, head_dim)] * norms.unsqueeze(-1)
+    return centroid_values(packed, centroids, bits, head_dim) * norms.unsqueeze(-1)

@@ -12,3 +12,18 @@ def poison():
         return t.fill_(0xAB if t.dtype == torch.uint8 else POISON)
 
     return fill
+
+
+@pytest.fixture
+def cuda_gen(rng_seed) -> torch.Generator:
+    """A CUDA generator seeded by the test's id."""
+    return torch.Generator(device="cuda").manual_seed(rng_seed)
+
+
+@pytest.fixture
+def exact_fp32_matmul():
+    """TF32 off for the test (the references rotate with fp32 matmuls), the caller's setting restored after."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous

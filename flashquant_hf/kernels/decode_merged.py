@@ -1,0 +1,61 @@
+"""CUDA ``decode_merged``: the split-K decode (``cuda/tq_decode.cu``, contiguous layout) over a fixed-capacity store
+whose live length per sequence is a device tensor, with one more partial result merged in the same
+``cuda/merge_partials.cu`` launch. No host synchronisation and no allocation outside torch's allocator, so a
+CUDA graph can capture it."""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks
+from .decode_launch import BITS, HEAD_DIMS, check_codebooks
+from .tq_decode import check_decode_inputs, launch_contiguous
+
+NAME_EXPRESSIONS: tuple[str, ...] = ()  # the kernels of tq_decode.py and merge_partials.py
+
+
+def unsupported(k_bits: int, v_bits: int, head_dim: int) -> str | None:
+    """Why no kernel serves this decode (a phrase), or None when one does."""
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (kernels are built for {', '.join(map(str, HEAD_DIMS))})"
+    if k_bits not in BITS or v_bits not in BITS:
+        return f"k_bits={k_bits}, v_bits={v_bits} (the decode reads {', '.join(map(str, BITS))}-bit codes)"
+    return None
+
+
+def decode_merged(
+    q_rot: torch.Tensor,
+    k_packed: torch.Tensor,
+    k_norms: torch.Tensor,
+    v_packed: torch.Tensor,
+    v_norms: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    lengths: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    extra_out: torch.Tensor,
+    extra_lse: torch.Tensor,
+    k_bits: int,
+    v_bits: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`flashquant_hf.reference.decode_merged.decode_merged` (``lengths`` int32 [B] on the device)."""
+    check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
+    check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
+    batch, q_heads, _, head_dim = q_rot.shape
+    capacity = k_packed.shape[2]
+    checks.check_layout("lengths", lengths, torch.int32, (batch,))
+    checks.check_device("lengths", lengths, q_rot.device, like="`q_rot`")
+    if not lengths.is_contiguous():
+        raise ValueError(f"`lengths` must be contiguous, got strides {lengths.stride()}")
+    checks.check_layout("extra_out", extra_out, torch.float32, (batch, q_heads, 1, head_dim))
+    checks.check_layout("extra_lse", extra_lse, torch.float32, (batch, q_heads, 1))
+    out = torch.empty(batch, q_heads, 1, head_dim, dtype=torch.float32, device=q_rot.device)
+    lse = torch.empty(batch, q_heads, 1, dtype=torch.float32, device=q_rot.device)
+    if capacity == 0:  # nothing compressed can be live: the merge of the extra part alone
+        out.copy_(torch.where(torch.isfinite(extra_lse).unsqueeze(-1), extra_out, 0))
+        lse.copy_(extra_lse)
+        return out, lse
+    launch_contiguous(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
+                      key_bias, out, lse, lengths, (extra_out.contiguous(), extra_lse.contiguous()))
+    return out, lse
