@@ -77,8 +77,8 @@ class TurboQuantConfig:
     window_block : tokens leaving the exact window are compressed this many at a time, so the window holds
         ``residual_length`` to ``residual_length + window_block - 1`` tokens (default 64; 1 when
         ``residual_length=0``, which keeps "every token compressed before it is attended"). Compression then runs
-        once per block instead of every decode step (end to end on the H200: 1.5-1.6x DynamicCache's decode
-        tokens/s instead of 0.9-1.0x).
+        once per block instead of every decode step (the end-to-end decode speed against DynamicCache:
+        ``e2e_decode_tokens_per_s_ratio_32k`` in benchmarks/results.json).
     sink_tokens : the first tokens of the sequence kept exact forever (default 4)
     key_centering, value_centering : subtract a per-sequence, per-head, per-channel mean (computed on the first
         prefill) before compressing; exact for attention (default: keys always, values when ``value_bits == 4``)
