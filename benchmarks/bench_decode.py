@@ -15,19 +15,19 @@ same way, and once isolated (one call after the spin: the kernels alone).
 
 SDPA gets its fastest GQA form (``enable_gqa``, the group folded into the query length, or pre-expanded K/V).
 The CTA shape (4 or 8 warps) and the L2 prefetch distance are swept first and the best pair is used for the
-headline rows; the contiguous layout's prefetch distance (0 or 1) is swept on its own. ``*_cpu_us_per_call`` is the host time per call (fast cached launch vs CuPy's launch).
+headline rows; the contiguous layout's prefetch distance (0 or 1) is swept on its own. ``*_cpu_us_per_call`` is the
+host time per call (fast cached launch vs CuPy's launch).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.timing import copies_to_exceed_l2, copy_bandwidth_gbs, time_ms
+from benchmarks.timing import copies_to_exceed_l2, copy_bandwidth_gbs, event_ms, time_ms
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 CALLS = 8
@@ -122,54 +122,9 @@ def _time_per_call(fn_of_set, sets):
     return time_ms(_pipelined(fn_of_set, sets), warmup_ms=100.0) / CALLS
 
 
-def _gpu_ms(fn_of_set, sets, reps=40):
-    """GPU time per call: a ~2 ms spin first, so all CALLS launches are queued before the first runs."""
-    for i in range(3 * len(sets)):  # warm-up: compile, plan, allocate
-        fn_of_set(sets[i % len(sets)])
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for r in range(reps):
-        torch.cuda._sleep(4_000_000)
-        start.record()
-        for i in range(CALLS):
-            fn_of_set(sets[(r + i) % len(sets)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS)
-    return statistics.median(times)
-
-
-def _back_to_back_ms(fn_of_set, sets, calls=B2B_CALLS, reps=25):
-    """Per call, over ``calls`` calls launched back to back (events around them, no pre-spin: host gaps count)."""
-    for i in range(3 * len(sets)):
-        fn_of_set(sets[i % len(sets)])
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for r in range(reps):
-        torch.cuda.synchronize()
-        start.record()
-        for i in range(calls):
-            fn_of_set(sets[(r + i) % len(sets)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
-def _isolated_ms(fn_of_set, sets, reps=40):
-    """One call after a ~2 ms spin (its launch is queued before it runs): the kernels' own time."""
-    for i in range(3 * len(sets)):
-        fn_of_set(sets[i % len(sets)])
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for r in range(reps):
-        torch.cuda._sleep(4_000_000)
-        start.record()
-        fn_of_set(sets[r % len(sets)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _back_to_back_ms(fn_of_set, sets):
+    """Per call, over ``B2B_CALLS`` calls launched back to back (no spin before them: host gaps count)."""
+    return event_ms(fn_of_set, sets, calls=B2B_CALLS, reps=25, spin=False)
 
 
 def _cpu_us_per_call(fn_of_set, sets, calls=200):
@@ -202,12 +157,12 @@ def _sdpa_ms(batch, keys, dev):
     times = {}
     for name, fn in variants.items():
         try:
-            times[name] = _gpu_ms(fn, sets)
+            times[name] = event_ms(fn, sets, calls=CALLS)
         except Exception as error:  # a backend that refuses the shape: skip it, the others still count
             print(f"    sdpa {name} failed: {error}")
     expanded = [(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)) for q, k, v in sets]
     expanded_fn = lambda s: F.scaled_dot_product_attention(s[0], s[1], s[2])  # noqa: E731
-    times["expanded_kv"] = _gpu_ms(expanded_fn, expanded)
+    times["expanded_kv"] = event_ms(expanded_fn, expanded, calls=CALLS)
     best = min(times, key=times.get)
     wall = _time_per_call(expanded_fn, expanded) if best == "expanded_kv" else _time_per_call(variants[best], sets)
     del expanded, sets
@@ -254,7 +209,7 @@ def _widths(record, bw: float, dev) -> None:
             paged = lambda s: paged_decode(s[3], s[0], s[1], s[2], ck, cv, k_bits, v_bits, scale,  # noqa: E731
                                            BLOCK_SIZE, keys)
             ms = _back_to_back_ms(paged, sets)
-            isolated = _isolated_ms(paged, sets)
+            isolated = event_ms(paged, sets)
             target = WIDTH_TARGETS.get((k_bits, v_bits))
             record(f"paged_decode_b2b_ms_{name}", ms, "ms")
             record(f"paged_decode_isolated_ms_{name}", isolated, "ms")
@@ -332,7 +287,7 @@ def _tq4(record, dl, dev) -> None:
         line = []
         for warps, prefetch in grid:
             _set_tuning(dl, warps, prefetch)
-            ms = _gpu_ms(paged_fn(keys), sets, reps=15)
+            ms = event_ms(paged_fn(keys), sets, calls=CALLS, reps=15)
             scores[(warps, prefetch)] += math.log(ms)
             line.append(f"w{warps}/pf{prefetch}={ms * 1e3:.1f}")
         print(f"    sweep {tag} (us): " + " ".join(line))
@@ -349,7 +304,7 @@ def _tq4(record, dl, dev) -> None:
         tq_bytes = batch * KV_HEADS * keys * (HEAD_DIM + 8)
         sets = _paged_sets(batch, keys, BLOCK_SIZE, dev)
         paged = paged_fn(keys)
-        ms = _gpu_ms(paged, sets)
+        ms = event_ms(paged, sets, calls=CALLS)
         wall = _time_per_call(paged, sets)
         cpu_us = _cpu_us_per_call(paged, sets)
         sdpa, sdpa_wall, variant, all_sdpa = _sdpa_ms(batch, keys, dev)
@@ -370,11 +325,13 @@ def _tq4(record, dl, dev) -> None:
             lse = torch.empty(batch * Q_HEADS, device=dev)
             part_out.zero_()
             part_lse.zero_()
-            merge = _gpu_ms(lambda _: launch_merge(part_out, part_lse, out, lse), [None]) if plan.splits > 1 else 0.0
+            merge = 0.0
+            if plan.splits > 1:
+                merge = event_ms(lambda _: launch_merge(part_out, part_lse, out, lse), [None], calls=CALLS)
             record(f"merge_partials_ms_{tag}", merge, "ms")
             record(f"merge_partials_fraction_{tag}", merge / ms, "fraction", "< 0.05")
             sets64 = [(*_paged_set(batch, keys, 64, dev, seed), s[3]) for seed, s in enumerate(sets)]
-            record(f"paged_decode_ms_{tag}_bs64", _gpu_ms(paged_fn(keys, 64), sets64), "ms")
+            record(f"paged_decode_ms_{tag}_bs64", event_ms(paged_fn(keys, 64), sets64, calls=CALLS), "ms")
             del sets64
         del sets
         torch.cuda.empty_cache()
@@ -392,12 +349,12 @@ def _tq4(record, dl, dev) -> None:
         for prefetch in (0, 1):
             dl.CONTIGUOUS_PREFETCH_CHUNKS = prefetch
             dl.clear_caches()
-            times[prefetch] = min(_gpu_ms(fused, sets, reps=15), times.get(prefetch, math.inf))
+            times[prefetch] = min(event_ms(fused, sets, calls=CALLS, reps=15), times.get(prefetch, math.inf))
     dl.CONTIGUOUS_PREFETCH_CHUNKS = min(times, key=times.get)
     dl.clear_caches()
     print("    contiguous sweep (us): " + " ".join(f"pf{p}={t * 1e3:.1f}" for p, t in times.items()))
     record("decode_tuned_contiguous_prefetch_chunks", dl.CONTIGUOUS_PREFETCH_CHUNKS, "chunks")
-    ms = _gpu_ms(fused, sets)
+    ms = event_ms(fused, sets, calls=CALLS)
     record("fused_decode_ms_b8_n32k", ms, "ms")
     record("fused_decode_speedup_b8_n32k", sdpa_b8 / ms, "x", ">= 2.5")
     record("fused_decode_hbm_fraction_b8_n32k", tq_bytes / (ms * 1e-3) / (bw * 1e9), "fraction")
@@ -413,7 +370,7 @@ def _tq4(record, dl, dev) -> None:
     # Host cost of one per-layer call in a decode loop (B=1, 4K keys: the GPU finishes before the host).
     small = [(*_contiguous_set(1, 4096, dev, seed), torch.randn(1, Q_HEADS, 1, HEAD_DIM, device=dev,
                                                                 dtype=torch.bfloat16)) for seed in range(2)]
-    record("fused_decode_gpu_ms_b1_n4k", _gpu_ms(fused, small), "ms")
+    record("fused_decode_gpu_ms_b1_n4k", event_ms(fused, small, calls=CALLS), "ms")
     for fast, suffix in ((True, "fast_launch"), (False, "cupy_launch")):
         dl.FAST_LAUNCH = fast
         record(f"fused_decode_wall_ms_b1_n4k_{suffix}", _time_per_call(fused, small), "ms")

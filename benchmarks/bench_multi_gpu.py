@@ -1,4 +1,4 @@
-"""Decode over a model split across two GPUs (issue #8): tokens/s of the Llama-3-8B-shaped random model with
+"""Decode over a model split across two GPUs: tokens/s of the Llama-3-8B-shaped random model with
 TurboQuantCache, layers split over GPUs 0 and 1 by accelerate's ``device_map`` machinery, over the same model
 and context on GPU 0 alone (B=8, 32K context; the prefill and decode steps of ``bench_e2e``).
 

@@ -12,7 +12,6 @@ with and without programmatic dependent launch.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_decode import (  # noqa: E402
     BLOCK_SIZE, HEAD_DIM, _centroids, _contiguous_decode, _contiguous_query_sets, _paged_sets,
 )
+from benchmarks.timing import event_ms  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,25 +70,11 @@ def main(argv: list[str] | None = None) -> None:
         fn(sets[i % len(sets)])
     torch.cuda.synchronize()
     if args.time:
-        us = _gpu_us(fn, sets, reps=30)
+        us = event_ms(fn, sets, calls=8, reps=30) * 1e3
         pf = dl.CONTIGUOUS_PREFETCH_CHUNKS if args.contiguous else dl.PREFETCH_CHUNKS
         print(f"profile_decode B={args.batch} N={args.keys} W={dl.WARPS} pf={pf} "
               f"{'contiguous' if args.contiguous else 'paged'}: {us:.1f} us/call")
     print("profile_decode: done")
-
-
-def _gpu_us(fn, sets, reps=20):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for r in range(reps):
-        torch.cuda._sleep(4_000_000)
-        start.record()
-        for i in range(8):
-            fn(sets[(r + i) % len(sets)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 8 * 1e3)
-    return statistics.median(times)
 
 
 def _scaling(dl, c, scale, dev):
@@ -121,9 +107,7 @@ def _scaling(dl, c, scale, dev):
                     for name, programmatic in variants.items():
                         dl.PROGRAMMATIC_LAUNCH = programmatic
                         dl.clear_caches()
-                        for i in range(4):
-                            fn(sets[i % len(sets)])
-                        points[name].append((keys, _gpu_us(fn, sets, reps=15)))
+                        points[name].append((keys, event_ms(fn, sets, calls=8, reps=15) * 1e3))
                 del sets
                 torch.cuda.empty_cache()
             for name in variants:

@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 L2_BYTES = 60 * 1024 * 1024  # the H200's L2 is 60 MB; inputs are rotated beyond it
+SPIN_CYCLES = 4_000_000  # a ~2 ms GPU spin: long enough for the host to queue every launch of a repetition
 
 
 def copies_to_exceed_l2(bytes_per_input: int, l2_bytes: int = 2 * L2_BYTES) -> int:
@@ -49,6 +50,32 @@ def time_ms(
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def event_ms(fn_of_set: Callable[[object], object], sets: Sequence[object], calls: int = 1, reps: int = 40,
+             spin: bool = True) -> float:
+    """Median milliseconds per call over ``reps`` repetitions of ``calls`` calls between two CUDA events, repetition
+    ``r`` starting at input set ``r`` of ``sets``; three calls per set first (compile, plan, allocate).
+
+    ``spin``: a GPU spin of ``SPIN_CYCLES`` before each repetition, so all its launches are queued before the first
+    runs (device time); otherwise the stream is synchronized first and host gaps between the calls count.
+    """
+    for i in range(3 * len(sets)):
+        fn_of_set(sets[i % len(sets)])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for r in range(reps):
+        if spin:
+            torch.cuda._sleep(SPIN_CYCLES)
+        else:
+            torch.cuda.synchronize()
+        start.record()
+        for i in range(calls):
+            fn_of_set(sets[(r + i) % len(sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 

@@ -19,6 +19,7 @@ K/V in their rotated spaces). Every op runs on the layer's backend, decided once
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TORCH_ROWS = 64  # query rows per block of the torch path (its scores are [B, Hq, rows, Nc] fp32)
+# Up to this many query rows the CPU path runs on one thread: its ~20 ops per layer are small, and on a CPU shared
+# with other jobs every op that torch spreads over threads waits at its barrier for a descheduled thread
+# (SmolLM2, 2 threads, a loaded 2-core machine: a decode step 4x slower than on one thread).
+SERIAL_ROWS = 8
 
 
 # --------------------------------------------------------------------------------------------- exact parts
@@ -184,10 +189,13 @@ def _merged_torch(
 
     ``mask``: the checked ``[B or 1, Lq, total]`` mask or None. The scores of the sinks, the compressed part (the
     codecs multiply in their rotated spaces) and the window sit side by side in one row, so no part needs its own
-    log-sum-exp and no merge follows; any mask and soft-capping apply to the whole row. Long chunks run in blocks of
-    TORCH_ROWS query rows.
+    log-sum-exp and no merge follows; any mask and soft-capping apply to the whole row. Up to SERIAL_ROWS query rows
+    (decode) run on one thread; long chunks run in blocks of TORCH_ROWS query rows.
     """
     q_len, total = query.shape[2], layer.get_seq_length()
+    if q_len <= SERIAL_ROWS and torch.get_num_threads() > 1:
+        with _one_thread():
+            return _merged_torch(layer, query, mask, scale, softcap, is_causal)
     outs = []
     for r0 in range(0, q_len, TORCH_ROWS):
         rows = slice(r0, min(r0 + TORCH_ROWS, q_len))
@@ -199,6 +207,17 @@ def _merged_torch(
             bias = None
         outs.append(_merged_rows(layer, query[:, :, rows], bias, scale, softcap))
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch's intra-op threads set to 1 inside the block (a process-wide setting), restored after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _merged_rows(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
-from .config import TurboQuantConfig
+from .config import TurboQuantConfig, field_names
 from .layer import TurboQuantLayer
 from .registration import install
 from .static_layer import StaticTurboQuantLayer, check_capacity
@@ -123,6 +123,12 @@ class TurboQuantCache(Cache):
         if config is not None and not isinstance(config, TurboQuantConfig):
             raise TypeError(
                 f"`config` must be a TurboQuantConfig or a transformers config, got {type(config).__name__}"
+            )
+        unknown = sorted(set(overrides) - set(field_names()))
+        if unknown:
+            raise TypeError(
+                f"TurboQuantCache() got unknown setting(s) {unknown}; its settings are the TurboQuantConfig fields "
+                f"{field_names()} (and `model_config`)"
             )
         if config is None:
             config = TurboQuantConfig(**overrides)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -21,6 +22,7 @@ from .codebook import SUPPORTED_BITS
 from .rotation import ROTATIONS
 
 ENV_PREFIX = "FLASHQUANT_"
+OTHER_ENV_VARS = ("FLASHQUANT_COMMIT",)  # not a cache setting: the commit benchmarks/run_gpu.py names in its results
 HALF_BITS = (1.5, 2.5, 3.5)  # mixed classes: keys round up, values round down
 # Exact window of a bit class when `residual_length` is not given (else DEFAULT_WINDOW): the low-bit presets spend
 # part of their byte budget on recent tokens (docs/quality.md; 3 seeds x 1024 decode-faithful tokens, SmolLM2):
@@ -62,6 +64,8 @@ class TurboQuantConfig:
 
     Every field left as ``None`` is read from its ``FLASHQUANT_<FIELD>`` environment variable (e.g.
     ``FLASHQUANT_BITS=3``), else takes the default below. After construction every field holds a concrete value.
+    A ``FLASHQUANT_<FIELD>`` value that cannot be parsed raises a ValueError even when an argument overrides it; a
+    ``FLASHQUANT_*`` variable that names no field is warned about (it would otherwise be ignored silently).
 
     Parameters
     ----------
@@ -117,6 +121,7 @@ class TurboQuantConfig:
 
     def __post_init__(self) -> None:
         names = field_names()
+        check_environment()
         from_env = {name for name in names if getattr(self, name) is None and os.environ.get(env_var(name), "").strip()}
         resolved = {name: _resolve(name, getattr(self, name)) for name in names}
         object.__setattr__(self, "_derived", frozenset(name for name, value in resolved.items() if value is None))
@@ -225,14 +230,36 @@ def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TurboQuantConfig) if f.init]
 
 
-def _resolve(name: str, value: Any) -> Any:
-    if value is not None:
-        return value
-    parse, default = _FIELDS[name]
-    text = os.environ.get(env_var(name))
-    if text is None or not text.strip():
-        return default
+def check_environment() -> None:
+    """Check every ``FLASHQUANT_*`` variable set: ValueError for a value its field cannot parse, a warning for a
+    name that is no field (a misspelt variable would otherwise be ignored silently)."""
+    for var, text in sorted(os.environ.items()):
+        if not var.startswith(ENV_PREFIX) or var in OTHER_ENV_VARS or not text.strip():
+            continue
+        name = var[len(ENV_PREFIX) :].lower()
+        if name in _FIELDS:
+            _parse_env(name, text)
+        else:
+            warnings.warn(
+                f"environment variable `{var}` is not a flashquant setting and is ignored; the settings are "
+                f"{[env_var(field) for field in _FIELDS]}",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+def _parse_env(name: str, text: str) -> Any:
+    parse, _ = _FIELDS[name]
     try:
         return parse(text)
     except ValueError as error:
         raise ValueError(f"environment variable `{env_var(name)}`={text!r} is invalid: {error}") from None
+
+
+def _resolve(name: str, value: Any) -> Any:
+    if value is not None:
+        return value
+    text = os.environ.get(env_var(name))
+    if text is None or not text.strip():
+        return _FIELDS[name][1]
+    return _parse_env(name, text)

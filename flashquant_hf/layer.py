@@ -142,6 +142,11 @@ class TurboQuantLayer(CacheLayerMixin):
         """Bytes of what this layer holds: its tokens (codes, exact sinks and window) and per-sequence statistics."""
         return sum(buffer.stored_nbytes for buffer in self._buffers()) + self._stats_nbytes()
 
+    @property
+    def compressed_token_nbytes(self) -> int | None:
+        """Bytes one compressed token takes (every batch row and KV head; codes and norms), None before the first."""
+        return self.store.stored_nbytes // self.num_compressed if self.num_compressed else None
+
     def _stats_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._stats().values() if t is not None)
 

@@ -51,3 +51,25 @@ def _seeded_global_rng(rng_seed):
 def gen(rng_seed) -> torch.Generator:
     """A CPU generator seeded by the test's id."""
     return torch.Generator().manual_seed(rng_seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A directory with a tiny random Llama (2 layers, 2 KV heads, head_dim 16) and a byte-level tokenizer (256
+    tokens, no merges), built in code and saved as a local model for `--model` (nothing downloads)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(alphabet), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("tiny_llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
+    return path

@@ -103,6 +103,29 @@ def test_bad_config(capsys, spec, needle):
     _one_line_error(capsys, rc, needle)
 
 
+def test_invalid_environment_variable_is_a_one_line_error(capsys, monkeypatch):
+    monkeypatch.setenv("FLASHQUANT_BITS", "abc")  # every preset sets bits: the variable would go unused
+    rc = main(["ppl", "--prefix", "8", "--tokens", "2", "--no-progress"])
+    _one_line_error(capsys, rc, "environment variable `FLASHQUANT_BITS`='abc' is invalid")
+
+
+@pytest.mark.slow
+def test_no_progress_silences_the_model_loader(capfd):
+    """The GGUF converter's and transformers' weight-loading bars, for a GGUF file loaded from its path (the
+    embedded model is cached once loaded); each switch is restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    from flashquant_hf.eval.loading import load_model
+    from flashquant_hf.models import smollm2_gguf_path
+
+    bars = ("Converting and de-quantizing GGUF tensors", "Loading weights")
+    for progress in (False, True):
+        load_model(str(smollm2_gguf_path()), torch.device("cpu"), torch.float32, progress=progress)
+        err = capfd.readouterr().err
+        assert all((bar in err) == progress for bar in bars), err[-2000:]
+    assert hf_logging.is_progress_bar_enabled()
+
+
 def test_bench_on_cpu_is_one_line_exit_2(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     rc = main(["bench"])
@@ -162,3 +185,33 @@ def test_unwritable_json_fails_before_the_model_loads(capsys, tmp_path):
     blocker.write_text("x")
     rc = main(["ppl", "--json", str(blocker / "r.json"), "--no-progress"])
     _one_line_error(capsys, rc, "cannot be written")
+
+
+def test_ppl_output_explains_itself(tiny_model_dir, capsys, tmp_path):
+    """The table says what each row and column is, each row's time and the run's; "at 32K" is the compression
+    projected to 32768 tokens: this run's bytes plus TQ4 codes for every further token."""
+    out_json = tmp_path / "r.json"
+    rc = main(["ppl", "--model", str(tiny_model_dir), "--prefix", "40", "--tokens", "8", "--config", "tq4",
+               "--config", "tq4-r0", "--no-progress", "--json", str(out_json)])
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout
+    lines = stdout.splitlines()
+    header = next(line for line in lines if line.startswith("name"))
+    assert header.split()[-4:] == ["32K", "tokens/s", "time", "s"]
+    text = " ".join(stdout.split())
+    assert "rows: dynamic = transformers' DynamicCache, exact K/V (the baseline)" in text
+    assert "tq4 = 4-bit keys and values, 4 exact sink tokens, the newest 128 to 191 tokens exact" in text
+    assert "tq4-r0 = 4-bit keys and values, every token compressed" in text
+    assert "at 32K = the same projected to 32768 tokens" in text and "dynamic holds float32: 0.50x" in text
+    rows = {row["name"]: row for row in json.loads(out_json.read_text())["results"]}
+    for row in rows.values():
+        row_line = next(line for line in lines if line.split()[:1] == [row["name"]])
+        assert row["seconds"] > 0 and row_line.split()[-1] == f"{row['seconds']:.1f}"
+    wall = next(line for line in lines if line.startswith("wall time"))
+    assert "model load" in wall and f"rows {sum(row['seconds'] for row in rows.values()):.1f} s" in wall
+    layers, heads, dim, held = 2, 2, 16, 40 + 8 - 1
+    bf16_per_token, tq4_per_token = layers * 2 * heads * dim * 2, layers * 2 * heads * (dim // 2 + 4)
+    projected = rows["tq4-r0"]["kv_bytes"] + (32768 - held) * tq4_per_token
+    assert rows["tq4-r0"]["compression_32k"] == pytest.approx(32768 * bf16_per_token / projected)
+    assert rows["dynamic"]["compression_32k"] == pytest.approx(0.5)
+    assert rows["tq4"]["compression_32k"] is None  # 47 tokens: nothing compressed yet, no per-token size (n/a)

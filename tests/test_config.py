@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,32 @@ def test_docs_table_lists_every_field_and_variable():
     for name in field_names():
         assert name in documented, f"the README settings table has no row for `{name}`"
         assert env_var(name) in documented[name], f"the row of `{name}` does not name {env_var(name)}"
+
+
+def test_invalid_environment_value_is_an_error_even_where_an_argument_overrides_it(monkeypatch):
+    monkeypatch.setenv("FLASHQUANT_BITS", "abc")
+    with pytest.raises(ValueError, match="environment variable `FLASHQUANT_BITS`='abc' is invalid"):
+        TurboQuantConfig(bits=4)
+
+
+def test_unknown_environment_variable_is_warned_about(monkeypatch):
+    expected = TurboQuantConfig()
+    monkeypatch.setenv("FLASHQUANT_FOO", "1")
+    with pytest.warns(UserWarning, match=r"`FLASHQUANT_FOO` is not a flashquant setting.*FLASHQUANT_BITS"):
+        assert TurboQuantConfig() == expected
+    monkeypatch.delenv("FLASHQUANT_FOO")
+    monkeypatch.setenv("FLASHQUANT_COMMIT", "abc1234")  # the benchmarks' variable: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TurboQuantConfig()
+
+
+def test_unknown_cache_setting_names_the_cache_and_lists_the_fields():
+    from flashquant_hf import TurboQuantCache
+
+    for args in ((), (TurboQuantConfig(),)):
+        with pytest.raises(TypeError) as info:
+            TurboQuantCache(*args, foo=1)
+        message = str(info.value)
+        assert message.startswith("TurboQuantCache() got unknown setting(s) ['foo']")
+        assert all(f"'{name}'" in message for name in field_names())

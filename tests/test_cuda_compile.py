@@ -121,7 +121,8 @@ def test_fast_divider_matches_integer_division(rng_seed):
     from flashquant_hf.kernels.compress import fast_divider
 
     rng = np.random.default_rng(rng_seed)
-    for divisor in [1, 2, 3, 7, 37, 64, 97, 1000, 4099, 65535, 2**20 + 7, 2**30, 2**31 - 1, *rng.integers(1, 2**31, 20)]:
+    edges = [1, 2, 3, 7, 37, 64, 97, 1000, 4099, 65535, 2**20 + 7, 2**30, 2**31 - 1]
+    for divisor in [*edges, *rng.integers(1, 2**31, 20)]:
         d, magic, shift = fast_divider(int(divisor))
         n = np.concatenate([rng.integers(0, 2**31, 5000), [0, 1, divisor - 1, divisor, divisor + 1, 2**31 - 1]])
         n = n.astype(np.uint64)

@@ -266,7 +266,7 @@ def test_table_json_and_plot(tmp_path):
     lines = table.splitlines()
     assert len(lines) == 4 and lines[0].split()[0] == "name"
     assert "10.5000 ± 0.2500" in lines[3] and "+5.00%" in lines[3] and "4.00x" in lines[3]
-    assert "| tq4 | 10.5000 ± 0.2500 | +5.00% | 512 B | 4.00x | nan |" in format_markdown(_rows())
+    assert "| tq4 | 10.5000 ± 0.2500 | +5.00% | 512 B | 4.00x | n/a | nan | n/a |" in format_markdown(_rows())
     path = write_json(tmp_path / "sub" / "r.json", {"model": "m", "results": _rows()})
     doc = json.loads(path.read_text())  # strict JSON: NaN became null
     assert doc["results"][1]["tokens_per_s"] is None and doc["results"][0]["name"] == "dynamic"

@@ -122,7 +122,8 @@ def test_generate_runs_with_compression_active(mode, residual):
     assert error < lloyd_max_codebook(model.config.head_dim, 4).mse_unit_vector ** 0.5, error
     layer = cache.layers[0]
     assert layer.num_sink == TurboQuantConfig().sink_tokens  # the default keeps the first tokens exact
-    assert layer.num_compressed == 8 + NEW - 1 - residual - layer.num_sink and layer.batch_size == rows * MODES[mode].get("num_beams", 1)
+    assert layer.num_compressed == 8 + NEW - 1 - residual - layer.num_sink
+    assert layer.batch_size == rows * MODES[mode].get("num_beams", 1)
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,8 @@ def test_sections_byte_picture():
     assert head[28:32].view(torch.float32).item() == 1.0
     assert head[48:50].tolist() == [0xAB, 0xCD]
     assert head[92:96].view(torch.float32).item() == -2.0
-    assert int(blocks[0, 0].sum()) == 0 and int(head.count_nonzero()) == 2 + 2 + 2 + 1  # 1.0f, -2.0f: 2 and 1 non-zero bytes
+    # 1.0f, -2.0f: 2 and 1 non-zero bytes
+    assert int(blocks[0, 0].sum()) == 0 and int(head.count_nonzero()) == 2 + 2 + 2 + 1
 
 
 @pytest.mark.parametrize("bad", [dict(block_size=12), dict(head_dim=7), dict(k_bits=5), dict(num_kv_heads=0)])

@@ -37,7 +37,8 @@ def test_error_shrinks_with_more_projections():
         sk = QJLSketch(64, m=m, seed=1)
         errors.append((sk.inner_product(q, *sk.encode(r)) - true).pow(2).mean().sqrt().item())
     assert errors[1] < errors[0] / 2  # variance ~ 1/m: 8x more projections, ~2.8x less error
-    # Var = (pi/2) ||r||^2 (||q||^2 - (2/pi) <q, r/||r||>^2) / m; here q is nearly orthogonal to r, ||q||^2 ~ ||r||^2 ~ 64
+    # Var = (pi/2) ||r||^2 (||q||^2 - (2/pi) <q, r/||r||>^2) / m; here q is nearly orthogonal to r,
+    # ||q||^2 ~ ||r||^2 ~ 64
     expected = math.sqrt(math.pi / 2 / 64) * 64
     assert errors[0] == pytest.approx(expected, rel=0.25)
 

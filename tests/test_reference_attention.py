@@ -58,7 +58,8 @@ def test_matches_dense_attention_over_decompressed_kv(q_heads, kv_heads, q_len, 
     q, kq, vq, kc, vc = _compressed_case(gen, 2, q_heads, kv_heads, q_len, kv_len, 64, bits)
     scale = 1 / math.sqrt(64)
     out, lse = _run(q, kq, vq, kc, vc, scale, causal)
-    ref, ref_lse = _dense_attention_f64(q, kq.decompress(kc, torch.float64), vq.decompress(vc, torch.float64), scale, causal)
+    keys, values = kq.decompress(kc, torch.float64), vq.decompress(vc, torch.float64)
+    ref, ref_lse = _dense_attention_f64(q, keys, values, scale, causal)
     assert _rel(out, ref) < 1e-5
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 
@@ -69,7 +70,8 @@ def test_key_bias_masks_padding_and_fully_masked_rows_are_zero(gen):
     bias[0, :4] = float("-inf")  # left padding of sequence 0
     bias[1, :] = float("-inf")  # sequence 1 sees nothing
     out, lse = _run(q, kq, vq, kc, vc, 0.125, False, key_bias=bias)
-    ref, ref_lse = _dense_attention_f64(q[:1], kq.decompress(kc, torch.float64)[:1], vq.decompress(vc, torch.float64)[:1], 0.125, False, bias[:1])
+    keys, values = kq.decompress(kc, torch.float64)[:1], vq.decompress(vc, torch.float64)[:1]
+    ref, ref_lse = _dense_attention_f64(q[:1], keys, values, 0.125, False, bias[:1])
     assert _rel(out[:1], ref) < 1e-5
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert torch.isneginf(lse[1]).all() and not out.isnan().any()
@@ -80,7 +82,8 @@ def test_merge_partials_equals_unsplit(splits, gen):
     """Partial attentions over disjoint key ranges (some empty) merge to the full result."""
     q, kq, vq, kc, vc = _compressed_case(gen, 2, 8, 2, 1, 50, 64)
     full, full_lse = _run(q, kq, vq, kc, vc, 0.125, False)
-    cuts = sorted(torch.randint(0, 51, (splits - 1,), generator=gen).tolist() + [0, 0, 50])  # repeated cut -> empty split
+    # A repeated cut makes an empty split.
+    cuts = sorted(torch.randint(0, 51, (splits - 1,), generator=gen).tolist() + [0, 0, 50])
     outs, lses = [], []
     for a, b in zip(cuts[:-1], cuts[1:]):
         sl = slice(a, b)

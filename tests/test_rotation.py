@@ -23,7 +23,8 @@ def test_hadamard_rotation_is_orthogonal_and_matches_its_signs(head_dim, gen):
     assert set(signs.tolist()) <= {-1.0, 1.0}
     # Pi = H diag(s) / sqrt(D): rotating x equals a Walsh-Hadamard transform of s * x
     x = torch.randn(5, head_dim, dtype=torch.float64, generator=gen)
-    h = torch.tensor([[(-1) ** bin(i & j).count("1") for j in range(head_dim)] for i in range(head_dim)], dtype=torch.float64)
+    h = torch.tensor([[(-1) ** bin(i & j).count("1") for j in range(head_dim)] for i in range(head_dim)],
+                     dtype=torch.float64)
     expected = (signs.double() * x) @ h.T / np.sqrt(head_dim)
     torch.testing.assert_close(x @ pi.double().T, expected, rtol=0, atol=1e-6)
 

@@ -1,6 +1,6 @@
 """TurboQuantCache under transformers tensor parallelism (``tp_plan="auto"``), two gloo ranks on the CPU.
 
-The multi-GPU run of the same check needs a machine with several GPUs (issue #8); this one exercises the part
+The multi-GPU run of the same check needs a machine with several GPUs; this one exercises the part
 that does not: per-rank KV heads reaching the cache, and results equal to the single-process model.
 """
 

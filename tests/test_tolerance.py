@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_helpers import attention_in_dtype
-from tolerance import FACTOR, assert_within_dtype_error, dtype_error_bound, max_error, ulp_floor
+from tolerance import (
+    FACTOR,
+    approx_exp2_error,
+    assert_attention_within_dtype_error,
+    assert_within_dtype_error,
+    dtype_error_bound,
+    max_error,
+    ulp_floor,
+)
 
 
 def _matmul_case(gen: torch.Generator, dtype: torch.dtype):
@@ -102,3 +110,23 @@ def test_attention_in_dtype_causal_is_bottom_right_aligned(gen, q_len):
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, want_lse.double(), rtol=1e-6, atol=1e-6)
     assert torch.isinf(lse[:, :, : max(0, q_len - 9)]).all() and torch.isfinite(lse[:, :, max(0, q_len - 9) :]).all()
+
+
+def test_attention_check_rows_without_keys_and_relative_floor(gen):
+    """The attention check wants the exact -inf rows with out 0, and takes a floor relative to each output's
+    largest magnitude."""
+    out = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64)
+    lse = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+    out[1, 2], lse[1, 2] = 0, float("-inf")
+    exact = (out, lse)
+    assert_attention_within_dtype_error(exact, exact, exact, torch.float32)
+    moved = (out.clone(), lse.clone())
+    moved[1][1, 2] = 0.0  # a row that sees keys in the kernel only
+    with pytest.raises(AssertionError, match="-inf differ"):
+        assert_attention_within_dtype_error(moved, exact, exact, torch.float32)
+    off = out + 1e-6 * out.abs().max()
+    off[1, 2] = 0
+    with pytest.raises(AssertionError, match="out: max error"):
+        assert_attention_within_dtype_error((off, lse), exact, exact, torch.float32)
+    assert_attention_within_dtype_error((off, lse), exact, exact, torch.float32, relative_floor=2e-6)
+    assert approx_exp2_error(0.0) == 2.0**-22 and approx_exp2_error(32.0) == 2.0**-22 + 2.0**-18

@@ -66,7 +66,6 @@ def assert_within_dtype_error(actual: torch.Tensor, exact: torch.Tensor, torch_r
     return error
 
 
-
 def approx_exp2_error(exponent_spread: float) -> float:
     """Relative error of a weight ``2^x`` taken with ``ex2.approx.f32`` (2 ulp: 2^-22, PTX ISA) from an fp32
     exponent of magnitude up to ``exponent_spread``, rounded twice (the difference to the maximum and the product with
@@ -76,11 +75,11 @@ def approx_exp2_error(exponent_spread: float) -> float:
 
 
 def assert_attention_within_dtype_error(result, exact, in_dtype, dtype: torch.dtype, label: str = "",
-                                        relative_floor: float | None = None) -> None:
+                                        relative_floor: float | None = None, lse_floor: float | None = None) -> None:
     """A kernel's attention ``result`` (out, lse) against the float64 ``exact`` (out, lse) and PyTorch's ``in_dtype``
     (out, lse) computed in ``dtype``: out finite; the same rows see no key (lse -inf, out 0); out and lse within
     the dtype bound (lse over the rows that see keys). ``relative_floor``: the floor as a fraction of the largest
-    magnitude (default: one ulp of ``dtype``).
+    magnitude (default: one ulp of ``dtype``); ``lse_floor`` replaces it for lse.
 
     out: shape [..., D]; lse: shape [...] (the leading shapes agree).
     """
@@ -90,6 +89,15 @@ def assert_attention_within_dtype_error(result, exact, in_dtype, dtype: torch.dt
     assert torch.equal(torch.isfinite(lse), seen), f"{label}: the rows of lse that are -inf differ"
     assert torch.all(lse[~seen] == float("-inf")) and torch.all(out[~seen] == 0), f"{label}: rows without keys"
     out_floor = None if relative_floor is None else relative_floor * largest(exact_out)
-    lse_floor = None if relative_floor is None else relative_floor * largest(exact_lse, seen)
+    if lse_floor is None and relative_floor is not None:
+        lse_floor = relative_floor * largest(exact_lse, seen)
     assert_within_dtype_error(out, exact_out, torch_out, dtype, f"{label} out", floor=out_floor)
     assert_within_dtype_error(lse, exact_lse, torch_lse, dtype, f"{label} lse", where=seen, floor=lse_floor)
+
+
+def score_rounding_floor(q: torch.Tensor, keys: torch.Tensor, scale: float, dtype: torch.dtype) -> float:
+    """One ulp of ``dtype`` at the largest ``scale * sum_i |q_i k_i|``: what rounding the keys (or the
+    queries) to ``dtype`` may move a score by, whichever way a kernel rounds them. A bound for the lse when PyTorch's
+    own error is a single sample (one key, one row)."""
+    magnitude = (q.double().abs() @ keys.double().abs().transpose(-1, -2)) * scale
+    return torch.finfo(dtype).eps * float(magnitude.max())

@@ -26,19 +26,24 @@ EPILOG = (
 )
 
 
-def positive_int(minimum: int):
-    """An argparse type: an integer >= ``minimum``."""
+def argument_type(convert, expected: str, accept):
+    """An argparse type: ``convert(text)`` if ``accept`` takes it, else the error "expected {expected}, got ..."."""
 
-    def parse(text: str) -> int:
+    def parse(text: str):
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
         return value
 
     return parse
+
+
+def positive_int(minimum: int):
+    """An argparse type: an integer >= ``minimum``."""
+    return argument_type(int, f"an integer >= {minimum}", lambda value: value >= minimum)
 
 
 def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -60,21 +65,44 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="a cache configuration to evaluate (repeatable; see below)")
     parser.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
                         help="rotation seeds to average each configuration over (default: the config's seed)")
+    add_run_arguments(parser, plot_help="write a perplexity bar chart (PNG)")
+    return parser
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, plot_help: str) -> None:
+    """Add the options every evaluation command takes last: where the model runs and what the run writes."""
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--threads", type=positive_int(1), metavar="N",
                         help="CPU threads for torch (default: torch's own choice)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a perplexity bar chart (PNG)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
+    parser.add_argument("--plot", metavar="PATH", help=plot_help)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (the model loader's too)")
+
+
+def prepare_run(args: argparse.Namespace):
+    """The options of ``add_run_arguments`` applied before the model loads: (device, dtype) resolved, the output
+    paths checked writable, torch's CPU threads set. EvalInputError for bad input."""
+    from .loading import resolve_device, resolve_dtype
+    from .report import check_writable
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_writable(path, option)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return device, dtype
 
 
 def run_ppl(args: argparse.Namespace) -> int:
     """Run the ``ppl`` command; EvalInputError for bad input (raised before the model loads where possible)."""
-    from .loading import check_context, load_model, resolve_device, resolve_dtype
-    from .report import check_writable, format_table, payload, save_plot, write_json
+    from .loading import check_context, load_model
+    from .report import format_table, legend, payload, save_plot, write_json
     from .runner import evaluate
     from .text import load_text, token_window
 
@@ -83,17 +111,10 @@ def run_ppl(args: argparse.Namespace) -> int:
     text, text_name = load_text(args.text_file, args.dataset, split=args.split)
     specs = [parse_cache_spec(spec) for spec in (args.configs or DEFAULT_CONFIGS)]
     unique_names(specs)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            check_writable(path, option)
-
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, device, dtype)
+    device, dtype = prepare_run(args)
+    loading = time.perf_counter()
+    model, tokenizer = load_model(args.model, device, dtype, progress=not args.no_progress)
+    load_s = time.perf_counter() - loading
     check_context(model, args.prefix + args.tokens, "`--prefix` + `--tokens`")
     input_ids = token_window(tokenizer, text, args.prefix, args.tokens)
     rows = evaluate(model, input_ids, args.prefix, specs, seeds=args.seeds, progress=not args.no_progress)
@@ -102,7 +123,8 @@ def run_ppl(args: argparse.Namespace) -> int:
     print(f"model {args.model} | text {text_name} | prefix {args.prefix} | tokens {args.tokens} | "
           f"{device.type} {str(dtype).removeprefix('torch.')}")
     print(format_table(rows))
-    print(f"wall time {wall_s:.1f} s")
+    print(legend(rows, str(dtype).removeprefix("torch.")))
+    print(f"wall time {wall_s:.1f} s (model load {load_s:.1f} s, rows {sum(row['seconds'] for row in rows):.1f} s)")
     document = payload(args.model, text_name, args.prefix, args.tokens, rows,
                        device=str(device), dtype=str(dtype).removeprefix("torch."), wall_s=wall_s)
     if args.json:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import EvalInputError
+from .report import agg_figure, fixed_width_table, save_figure
 
 
 def _length_label(tokens: int) -> str:
@@ -19,12 +19,7 @@ def format_accuracy(rows: list[dict[str, Any]], lengths: Sequence[int]) -> str:
     for row in rows:
         per_length = [f"{c}/{n}" for c, n in zip(row["correct"], row["needles"])]
         cells.append([row["name"], *per_length, f"{sum(row['correct'])}/{sum(row['needles'])}"])
-    widths = [max(len(header[i]), *(len(c[i]) for c in cells)) for i in range(len(header))]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
-    lines.append("  ".join("-" * w for w in widths))
-    for c in cells:
-        lines.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
-    return "\n".join(lines)
+    return fixed_width_table(header, cells)
 
 
 def draw_heatmaps(fig, document: dict[str, Any]) -> None:
@@ -58,21 +53,8 @@ def draw_heatmaps(fig, document: dict[str, Any]) -> None:
 
 def save_heatmaps(path: str | Path, document: dict[str, Any]) -> Path:
     """Write the heat-maps of ``document`` (the ``niah`` JSON) as a PNG, with matplotlib's Agg canvas."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise EvalInputError("`--plot` needs matplotlib: pip install 'flashquant-hf[eval]'") from None
-    path = Path(path)
-    panels = len(document["results"])
-    fig = Figure(figsize=(2.2 * panels + 1.5, 3.2), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(2.2 * len(document["results"]) + 1.5, 3.2))
     draw_heatmaps(fig, document)
     needles = document.get("needles_per_cell")
     fig.suptitle(f"{document.get('model', '')}: pass-key retrieval, {needles} needle(s) per cell", fontsize=9)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-    except OSError as err:
-        raise EvalInputError(f"`--plot` {str(path)!r} could not be written: {err.strerror or err}") from None
-    return path
+    return save_figure(fig, path)

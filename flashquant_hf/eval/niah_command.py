@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .command import positive_int
+from .command import add_run_arguments, argument_type, positive_int, prepare_run
 from .errors import EvalInputError
 from .specs import PRESETS, parse_cache_spec, unique_names
 
@@ -25,14 +25,7 @@ EPILOG = (
 )
 
 
-def _depth(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a depth in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a depth in [0, 1], got {value}")
-    return value
+_depth = argument_type(float, "a depth in [0, 1]", lambda value: 0.0 <= value <= 1.0)
 
 
 def add_niah_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -52,40 +45,24 @@ def add_niah_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--config", action="append", metavar="SPEC", dest="configs",
                         help="a cache configuration to evaluate (repeatable; see below)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
-    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--threads", type=positive_int(1), metavar="N",
-                        help="CPU threads for torch (default: torch's own choice)")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write the accuracy heat-maps (PNG)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_arguments(parser, plot_help="write the accuracy heat-maps (PNG)")
     return parser
 
 
 def run_niah(args: argparse.Namespace) -> int:
     """Run the ``niah`` command; EvalInputError for bad input (raised before the model loads where possible)."""
     from .heatmap import format_accuracy, save_heatmaps
-    from .loading import check_context, load_model, resolve_device, resolve_dtype
+    from .loading import check_context, load_model
     from .needle import prompt_parts
-    from .report import check_writable, write_json
+    from .report import write_json
     from .retrieval import run_retrieval
 
     started = time.perf_counter()
     specs = [parse_cache_spec(spec) for spec in (args.configs or DEFAULT_CONFIGS)]
     unique_names(specs)
     lengths, depths = sorted(set(args.lengths)), sorted(set(args.depths))
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            check_writable(path, option)
-
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, device, dtype)
+    device, dtype = prepare_run(args)
+    model, tokenizer = load_model(args.model, device, dtype, progress=not args.no_progress)
     check_context(model, max(lengths), "`--lengths`")
     parts = prompt_parts(tokenizer)
     document = run_retrieval(model, tokenizer, parts, lengths, depths, args.needles, specs, seed=args.seed,

@@ -28,6 +28,15 @@ class PerplexityRun:
     decode_s: float
     kv_bytes: int
     kv_elements: int | None
+    kv_tokens: int = 0
+    further_token_bytes: float | None = None
+
+    def projected_kv_bytes(self, tokens: int) -> float | None:
+        """Bytes the cache would hold at ``tokens`` tokens: this run's bytes plus ``further_token_bytes`` for every
+        further token (exact windows and sinks already full, so each further token is compressed), else None."""
+        if self.further_token_bytes is None or self.kv_tokens <= 0:
+            return None
+        return self.kv_bytes + (tokens - self.kv_tokens) * self.further_token_bytes
 
     @property
     def ppl(self) -> float:
@@ -60,6 +69,18 @@ def kv_elements(cache) -> int | None:
     return sum(
         t.numel() for layer in cache.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)
     )
+
+
+def further_token_bytes(cache) -> float | None:
+    """Bytes each further token adds to ``cache``: a TurboQuantCache's compressed bytes per token over its
+    TurboQuant layers (None while one of them holds no compressed token yet; sliding layers are bounded), or a
+    plain cache's bytes per held token."""
+    tq_layers = [layer for layer in cache.layers if hasattr(layer, "compressed_token_nbytes")]
+    if tq_layers:
+        sizes = [layer.compressed_token_nbytes for layer in tq_layers]
+        return None if None in sizes else float(sum(sizes))
+    tokens = cache.get_seq_length()
+    return kv_nbytes(cache) / tokens if tokens else None
 
 
 def _nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -134,4 +155,7 @@ def decode_perplexity(model, input_ids: torch.Tensor, prefix: int, cache, progre
     decode_s = time.perf_counter() - start
 
     nll = torch.cat(nlls).cpu()
-    return PerplexityRun(nll, prefill_s, decode_s, kv_nbytes(cache), kv_elements(cache))
+    return PerplexityRun(
+        nll, prefill_s, decode_s, kv_nbytes(cache), kv_elements(cache), cache.get_seq_length(),
+        further_token_bytes(cache),
+    )

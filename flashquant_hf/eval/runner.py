@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import statistics
+import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -13,6 +14,7 @@ from .perplexity import PerplexityRun, decode_perplexity
 from .specs import DYNAMIC, CacheSpec, config_as_dict, make_config, turboquant_api
 
 BF16_BYTES = 2
+PROJECTED_TOKENS = 32768  # the length the "at 32K" compression is projected to
 
 
 def build_cache(spec: CacheSpec, model, seed: int | None = None):
@@ -38,8 +40,9 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="tok", dynamic_ncols=True, leave=False, mininterval=0.5)
 
 
-def _row(spec: CacheSpec, runs: list[PerplexityRun], seeds: list[int | None], config) -> dict[str, Any]:
+def _row(spec: CacheSpec, runs: list[PerplexityRun], seeds: list[int | None], config, seconds: float) -> dict:
     ppls = [run.ppl for run in runs]
+    projected = runs[0].projected_kv_bytes(PROJECTED_TOKENS)
     return {
         "name": spec.name,
         "ppl": statistics.fmean(ppls),
@@ -51,6 +54,9 @@ def _row(spec: CacheSpec, runs: list[PerplexityRun], seeds: list[int | None], co
         "kv_bytes": runs[0].kv_bytes,
         "tokens_per_s": statistics.fmean(run.tokens_per_s for run in runs),
         "prefill_s": statistics.fmean(run.prefill_s for run in runs),
+        "seconds": seconds,
+        "kv_tokens": runs[0].kv_tokens,
+        "kv_bytes_32k": float("nan") if projected is None else projected,
         "config": None if config is None else config_as_dict(config),
     }
 
@@ -84,7 +90,8 @@ def evaluate(
     -------
     list of dict
         One row per cache: name, ppl (mean over seeds), ppl_std, delta_pct (vs dynamic), kv_bytes, compression
-        (bf16 bytes of the same K/V / kv_bytes), tokens_per_s, and the resolved config.
+        (bf16 bytes of the same K/V / kv_bytes), compression_32k (the same projected to 32768 tokens, every further
+        token compressed), tokens_per_s, seconds (the row's wall time, all seeds), and the resolved config.
     """
     scored = input_ids.shape[1] - prefix
     rows_to_run = [CacheSpec(DYNAMIC)] + [s for s in specs if not s.is_dynamic]
@@ -94,6 +101,7 @@ def evaluate(
     with _progress(total_runs * scored, progress) as bar:
         for spec in rows_to_run:
             runs, used_seeds, config = [], [], None
+            started = time.perf_counter()
             for seed in [None] if spec.is_dynamic else seed_list:
                 cache = build_cache(spec, model, seed)
                 if bar is not None:
@@ -106,10 +114,12 @@ def evaluate(
                     config = cache.config if hasattr(cache, "config") else None
                     used_seeds.append(getattr(config, "seed", seed))
                 del cache
-            rows.append(_row(spec, runs, used_seeds, config))
+            rows.append(_row(spec, runs, used_seeds, config, time.perf_counter() - started))
     base = rows[0]
     for row in rows:
         row["delta_pct"] = 100.0 * (row["ppl"] / base["ppl"] - 1.0)
         row["bf16_kv_bytes"] = bf16_bytes
         row["compression"] = bf16_bytes / row["kv_bytes"] if row["kv_bytes"] else float("nan")
+        bf16_32k = bf16_bytes / row["kv_tokens"] * PROJECTED_TOKENS if row["kv_tokens"] else float("nan")
+        row["compression_32k"] = bf16_32k / row["kv_bytes_32k"] if row["kv_bytes_32k"] > 0 else float("nan")
     return rows

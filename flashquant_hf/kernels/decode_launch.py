@@ -324,7 +324,7 @@ def _workspace(device_index: int, splits: int, rows: int, head_dim: int) -> tupl
 
 @dataclass(frozen=True)
 class _Launch:
-    """Everything about one decode call that depends only on its shape: kernels, grid, plan, workspace."""
+    """Everything about one decode call that depends only on its shape: kernels, grid, plan."""
 
     kernel: Any
     merge: Any
@@ -333,8 +333,6 @@ class _Launch:
     grid: tuple[int, int, int]
     threads: int
     plan: DecodePlan
-    part_out: torch.Tensor | None
-    part_lse: torch.Tensor | None
     prefetch: int  # the kernel's L2 prefetch distance (chunks)
 
 
@@ -371,17 +369,14 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, bits: tuple[int, int]
                      reduction_bytes(head_dim, warps))
     plan = dataclasses.replace(plan, shared_mem=shared_mem)
     grid = (plan.splits, kv_heads * head_groups, batch)
-    merge = part_out = part_lse = None
-    merge_ptr = 0
+    merge, merge_ptr = None, 0
     if plan.splits > 1:
-        part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
         merge, merge_ptr = merge_partials.merge_kernel(head_dim, index, plan.splits)
     if mode != MODE_PAGED:
         prefetch = CONTIGUOUS_PREFETCH_CHUNKS
     else:
         prefetch = TMA_PREFETCH_CHUNKS if TMA_OPTION in options else PREFETCH_CHUNKS
-    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, part_out,
-                    part_lse, prefetch)
+    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, prefetch)
     if len(_LAUNCHES) >= _CACHE_LIMIT:
         _LAUNCHES.clear()
     _LAUNCHES[key] = found
@@ -436,7 +431,9 @@ def run_decode(
     elif plan.splits == 1:  # written directly
         part_out, part_lse = out, lse
     else:
-        part_out, part_lse = setup.part_out, setup.part_lse
+        # Allocated here, not with the plan: a compiled step (which always passes ``extra``) must not create it
+        # inside a CUDA-graph pool that outlives the step.
+        part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
     args = (
         q3, np.int64(q_strides[0]), np.int64(q_strides[1]), np.int64(q_strides[2]), *tensor_args,
         centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, *plan.kernel_lengths,

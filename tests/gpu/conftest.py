@@ -18,3 +18,12 @@ def poison():
 def cuda_gen(rng_seed) -> torch.Generator:
     """A CUDA generator seeded by the test's id."""
     return torch.Generator(device="cuda").manual_seed(rng_seed)
+
+
+@pytest.fixture
+def exact_fp32_matmul():
+    """TF32 off for the test (the references rotate with fp32 matmuls), the caller's setting restored after."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous

@@ -25,6 +25,7 @@ from flashquant_hf.packing import packed_size, unpack_indices
 from flashquant_hf.reference.compress import compress as reference_compress
 from flashquant_hf.rotation import hadamard_signs, random_rotation
 
+pytestmark = pytest.mark.usefixtures("exact_fp32_matmul")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TINY = torch.finfo(torch.float32).tiny
 NEAR = 1e-6  # indices may differ only this close to a boundary
@@ -59,14 +60,6 @@ def _compiled():
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(lambda name: loader.get_kernel(kc.CUDA_SOURCE, name, device), names))
 
-
-@pytest.fixture(autouse=True)
-def _exact_fp32_matmul():
-    """The reference rotates with an fp32 matmul: keep TF32 out of it."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def _rotation(path: str, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -329,13 +322,15 @@ BAD_INPUTS = [
     (lambda: dict(x=torch.ones(4, 128, device="cuda", dtype=torch.int32)), ValueError, r"`x` must have dtype"),
     (lambda: dict(x=[1.0, 2.0]), TypeError, r"`x` must be a torch.Tensor"),
     (lambda: dict(rotation=torch.eye(64, device="cuda")), ValueError, r"`rotation` must have shape \[128, 128\]"),
-    (lambda: dict(rotation=torch.eye(128, device="cuda", dtype=torch.float64)), ValueError, r"`rotation` must have dtype"),
+    (lambda: dict(rotation=torch.eye(128, device="cuda", dtype=torch.float64)), ValueError,
+     r"`rotation` must have dtype"),
     (lambda: dict(rotation=torch.eye(128)), ValueError, r"`rotation` must be a CUDA tensor.*cpu"),
     (lambda: dict(boundaries=torch.zeros(7, device="cuda")), ValueError, r"`boundaries` must have shape \[15\]"),
     (lambda: dict(bits=5), ValueError, r"`bits` must be one of"),
     (lambda: dict(norm_correction=True, centroids=None), ValueError, r"`centroids` are required"),
     (lambda: dict(centroids=torch.zeros(8, device="cuda")), ValueError, r"`centroids` must have shape \[16\]"),
-    (lambda: dict(hadamard_signs=torch.ones(64, device="cuda")), ValueError, r"`hadamard_signs` must have shape \[128\]"),
+    (lambda: dict(hadamard_signs=torch.ones(64, device="cuda")), ValueError,
+     r"`hadamard_signs` must have shape \[128\]"),
 ]
 
 

@@ -27,6 +27,7 @@ from flashquant_hf.reference.decompress import decompress as reference_decompres
 from flashquant_hf.reference.decompress import dequantize_rotated as reference_dequantize
 from flashquant_hf.rotation import hadamard_signs, random_rotation
 
+pytestmark = pytest.mark.usefixtures("exact_fp32_matmul")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GRID = [(d, b) for d in kd.HEAD_DIMS for b in kd.BITS]
 
@@ -50,13 +51,6 @@ def _compiled():
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(lambda n: loader.get_kernel(kd.CUDA_SOURCE, n, device), sorted(names)))
 
-
-@pytest.fixture(autouse=True)
-def _exact_fp32_matmul():
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def _codes(lead: tuple[int, ...], head_dim: int, bits: int, rotation: torch.Tensor, gen: torch.Generator, nc: bool):
@@ -85,7 +79,8 @@ def _layouts(head_dim: int, bits: int, rotation: torch.Tensor, gen: torch.Genera
     return out
 
 
-def _close_problems(label: str, got: torch.Tensor, packed, norms, rotation, centroids, bits, head_dim, dtype) -> list[str]:
+def _close_problems(label: str, got: torch.Tensor, packed, norms, rotation, centroids, bits, head_dim,
+                    dtype) -> list[str]:
     """How ``got`` misses the reference decompression (empty when it is close enough)."""
     if got.shape != packed.shape[:-1] + (head_dim,) or got.dtype != dtype:
         return [f"{label}: output is {got.dtype} {list(got.shape)}"]
@@ -220,15 +215,18 @@ def _good_args(**overrides):
 BAD_INPUTS = [
     (lambda: dict(packed=torch.zeros(3, 64, dtype=torch.uint8)), ValueError, r"`packed` must be a CUDA tensor.*cpu"),
     (lambda: dict(packed=torch.zeros(3, 64, device="cuda")), ValueError, r"`packed` must have dtype uint8"),
-    (lambda: dict(packed=torch.zeros(3, 48, dtype=torch.uint8, device="cuda")), ValueError, r"`packed` must have shape \[\.\.\., 64\]"),
+    (lambda: dict(packed=torch.zeros(3, 48, dtype=torch.uint8, device="cuda")), ValueError,
+     r"`packed` must have shape \[\.\.\., 64\]"),
     (lambda: dict(norms=torch.ones(4, device="cuda")), ValueError, r"`norms` must have shape \[3\]"),
-    (lambda: dict(norms=torch.ones(3, device="cuda", dtype=torch.float16)), ValueError, r"`norms` must have dtype float32"),
+    (lambda: dict(norms=torch.ones(3, device="cuda", dtype=torch.float16)), ValueError,
+     r"`norms` must have dtype float32"),
     (lambda: dict(norms=torch.ones(3)), ValueError, r"`norms` must be a CUDA tensor.*cpu"),
     (lambda: dict(centroids=torch.zeros(8, device="cuda")), ValueError, r"`centroids` must have shape \[16\]"),
     (lambda: dict(rotation=torch.eye(64, device="cuda")), ValueError, r"`rotation` must have shape \[128, 128\]"),
     (lambda: dict(dtype=torch.int8), ValueError, r"`dtype` must be one of"),
     (lambda: dict(bits=0), ValueError, r"`bits` must be one of"),
-    (lambda: dict(hadamard_signs=torch.ones(64, device="cuda")), ValueError, r"`hadamard_signs` must have shape \[128\]"),
+    (lambda: dict(hadamard_signs=torch.ones(64, device="cuda")), ValueError,
+     r"`hadamard_signs` must have shape \[128\]"),
 ]
 
 

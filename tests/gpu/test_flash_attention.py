@@ -76,10 +76,12 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", fa.HEAD_DIMS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_H{}x{}_L{}_N{}_{}".format(*c[:5], "causal" if c[5] else "full"))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_H{}x{}_L{}_N{}_{}".format(*c[:5],
+                                                                                   "causal" if c[5] else "full"))
 def test_matches_float64(dtype, head_dim, case):
     batch, q_heads, kv_heads, q_len, kv_len, causal = case
-    q, k, v = make_inputs(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, seed=sum(map(ord, repr(case))) + head_dim)
+    q, k, v = make_inputs(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype,
+                          seed=sum(map(ord, repr(case))) + head_dim)
     scale = head_dim ** -0.5
     out, lse = run_poisoned(fa.DEFAULT_CONFIGS[head_dim], q, k, v, scale, causal)
     assert_matches(out, lse, q, k, v, scale, causal, f"{dtype} D={head_dim} {case}")
@@ -140,7 +142,8 @@ def test_error_within_twice_sdpas():
     [
         (lambda q, k, v: (q.float(), k, v), TypeError, "float16 or bfloat16"),
         (lambda q, k, v: (q, k.half(), v), TypeError, "share a dtype"),
-        (lambda q, k, v: (q[..., :96].contiguous(), k[..., :96].contiguous(), v[..., :96].contiguous()), ValueError, "head_dim"),
+        (lambda q, k, v: (q[..., :96].contiguous(), k[..., :96].contiguous(), v[..., :96].contiguous()), ValueError,
+         "head_dim"),
         (lambda q, k, v: (q[:, :3], k, v), ValueError, "multiple of the KV heads"),
         (lambda q, k, v: (q, k[:, :, :5], v), ValueError, r"\[B, H_kv, N, D\]"),
         (lambda q, k, v: (q.cpu(), k, v), ValueError, "CUDA device"),

@@ -1,4 +1,4 @@
-"""TurboQuantCache on a model spread over two GPUs (issue #8): accelerate's ``device_map="auto"`` (whole decoder
+"""TurboQuantCache on a model spread over two GPUs: accelerate's ``device_map="auto"`` (whole decoder
 layers on different GPUs) and transformers tensor parallelism (``tp_plan="auto"``, two NCCL ranks under
 torchrun). Skipped on machines with fewer than two GPUs; the CPU suite runs the tensor-parallel checks on gloo
 ranks (tests/test_tensor_parallel.py)."""
@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from flashquant_hf import TurboQuantCache
 from flashquant_hf.cache import cache_kwargs
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (issue #8)")
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 STEPS = 64
 LLAMA = dict(
