@@ -108,13 +108,17 @@ def test_every_token_compressed():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_left_padded_generate_equals_dynamic():
+@pytest.mark.parametrize("built", ["lazily", "from_model_config"])
+def test_left_padded_generate_equals_dynamic(built):
+    """generate() with padding; a cache built from the model's config has its layers before the prefill, so
+    generate also builds 4D masks for the prefill from the layers' mask sizes."""
     model = _model("llama_d64_gqa4")
     prompt = _prompt(5, length=36)
     mask = torch.ones_like(prompt)
     prompt[0, :5], mask[0, :5] = 0, 0
     results = []
-    for cache in (TurboQuantCache(**SMALL_WINDOW), TurboQuantCache(max_cache_len=CAPACITY, **SMALL_WINDOW)):
+    config = model.config if built == "from_model_config" else None
+    for cache in (TurboQuantCache(**SMALL_WINDOW), TurboQuantCache(config, max_cache_len=CAPACITY, **SMALL_WINDOW)):
         out = model.generate(prompt, attention_mask=mask, max_new_tokens=40, do_sample=False, output_scores=True,
                              return_dict_in_generate=True, **cache_kwargs(model, cache))
         results.append(out)
