@@ -120,9 +120,10 @@ def _prefill_cases(model, makers: dict[str, tuple[Callable, Callable]], input_id
                    began: float) -> dict[str, dict]:
     """Prefill a new cache per entry of ``makers`` (name -> (make the cache, the forward of its decode steps)).
     StaticCache in chunks of STATIC_PREFILL_CHUNK tokens: its attention masks span the whole capacity (one
-    32K-token forward would build a [B, 1, 32K, 32K] mask and lose FlashAttention); the others in one forward
-    (a static TurboQuantCache takes a single prefill)."""
-    from transformers import StaticCache
+    32K-token forward would build a [B, 1, 32K, 32K] mask and lose FlashAttention); DynamicCache in the same chunks,
+    which bound the activations beside its bf16 K/V; a static TurboQuantCache in one forward (it takes a single
+    prefill)."""
+    from transformers import DynamicCache, StaticCache
 
     cases: dict[str, dict] = {}
     for name, (make, forward) in makers.items():
@@ -133,7 +134,7 @@ def _prefill_cases(model, makers: dict[str, tuple[Callable, Callable]], input_id
         try:
             cache = make()
             started = time.perf_counter()
-            chunk = STATIC_PREFILL_CHUNK if isinstance(cache, StaticCache) else None
+            chunk = STATIC_PREFILL_CHUNK if isinstance(cache, (StaticCache, DynamicCache)) else None
             next_ids = prefill(model, cache, input_ids, chunk)
             record(f"e2e_compiled_{name}_prefill_s_{tag}", time.perf_counter() - started, "s", note)
             cases[name] = {"cache": cache, "next_ids": next_ids, "forward": forward, "rates": [],
@@ -179,10 +180,12 @@ def run_context(model, context: int, presets: list[str], steps: int, passes: int
     input_ids = torch.randint(0, LLAMA3_8B["vocab_size"], (BATCH, context), device="cuda", generator=generator)
     capacity = context + 2 * passes * (WARMUP_STEPS + steps) + 1
     compiled = compiled_forward(model)
+    # The TurboQuantCaches first: their one-forward prefill needs the activations of a whole prompt, which fit
+    # beside the weights and the compressed caches but not beside a bf16 StaticCache of 32 layers at 32K.
     makers: dict[str, tuple[Callable, Callable]] = {
-        "static": (lambda: StaticCache(config=model.config, max_cache_len=capacity), compiled),
         **{f"turboquant{suffix}": ((lambda s=settings: TurboQuantCache(max_cache_len=capacity, **s)), compiled)
            for suffix, settings in PRESETS.items() if suffix in presets},
+        "static": (lambda: StaticCache(config=model.config, max_cache_len=capacity), compiled),
     }
     cases = _interleave(model, _prefill_cases(model, makers, input_ids, tag, note, record, began), steps, passes,
                         tag, record)
