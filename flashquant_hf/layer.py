@@ -370,6 +370,16 @@ class TurboQuantLayer(CacheLayerMixin):
         """The value code's tensors of the compressed tokens."""
         return self.store.views()[self.key_codec.tensor_count :]
 
+    def _decode_compressed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed tokens' K/V rebuilt, centring means added back, in ``dtype``."""
+        k = self.key_codec.decode(self.key_views(), self.key_order)
+        v = self.value_codec.decode(self.value_views(), self.value_order)
+        if self.key_mean is not None:
+            k = k + self.key_mean[:, :, None, :]
+        if self.value_mean is not None:
+            v = v + self.value_mean[:, :, None, :]
+        return k.to(dtype), v.to(dtype)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V the cache stands for, ``[B, H_kv, N, D]``, compressed tokens rebuilt (tests and debugging only).
 
@@ -381,14 +391,9 @@ class TurboQuantLayer(CacheLayerMixin):
             parts_k.append(sk.to(dtype))
             parts_v.append(sv.to(dtype))
         if self.num_compressed:
-            k = self.key_codec.decode(self.key_views(), self.key_order)
-            v = self.value_codec.decode(self.value_views(), self.value_order)
-            if self.key_mean is not None:
-                k = k + self.key_mean[:, :, None, :]
-            if self.value_mean is not None:
-                v = v + self.value_mean[:, :, None, :]
-            parts_k.append(k.to(dtype))
-            parts_v.append(v.to(dtype))
+            k, v = self._decode_compressed(dtype)
+            parts_k.append(k)
+            parts_v.append(v)
         if self.num_window:
             wk, wv = self.window.views()
             parts_k.append(wk.to(dtype))
@@ -464,13 +469,17 @@ class TurboQuantLayer(CacheLayerMixin):
         if not isinstance(index, torch.Tensor) or index.dim() != 1:
             raise ValueError(f"`{name}` must be a 1-D tensor, got {index!r}")
 
+    def _check_beam_index(self, beam_idx: torch.Tensor) -> None:
+        """``beam_idx`` of :meth:`reorder_cache`: a 1-D tensor of one source row per batch row."""
+        self._check_batch_index("beam_idx", beam_idx)
+        if beam_idx.shape[0] != self.batch_size:
+            raise ValueError(f"`beam_idx` must have {self.batch_size} entries, got {beam_idx.shape[0]}")
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the batch for beam search (``beam_idx`` holds one source row per row)."""
         if not self.is_initialized:
             return
-        self._check_batch_index("beam_idx", beam_idx)
-        if beam_idx.shape[0] != self.batch_size:
-            raise ValueError(f"`beam_idx` must have {self.batch_size} entries, got {beam_idx.shape[0]}")
+        self._check_beam_index(beam_idx)
         for buffer in self._buffers():
             buffer.reorder(beam_idx)
         self._map_stats(lambda t: t.index_select(0, beam_idx.to(t.device)))

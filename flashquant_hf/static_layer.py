@@ -52,16 +52,10 @@ class StaticTurboQuantLayer(TurboQuantLayer):
     is_compileable = True
     is_croppable = False
 
-    def __init__(
-        self,
-        config: TurboQuantConfig | None = None,
-        max_cache_len: int | None = None,
-        layer_idx: int | None = None,
-        cache: Any = None,
-        **kwargs: Any,
-    ):
+    def __init__(self, config: TurboQuantConfig | None = None, max_cache_len: int | None = None, **kwargs: Any):
+        """``max_cache_len``: the capacity in tokens; ``layer_idx``, ``cache`` as for TurboQuantLayer."""
         self.max_cache_len = check_capacity(max_cache_len)
-        super().__init__(config, layer_idx=layer_idx, cache=cache)
+        super().__init__(config, **kwargs)
 
     def __repr__(self) -> str:
         return f"StaticTurboQuantLayer(layer_idx={self.layer_idx}, max_cache_len={self.max_cache_len})"
@@ -327,14 +321,9 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         window_k, window_v = self.window_states()
         parts_k, parts_v = [self.exact_k[:, :, :n].to(dtype)], [self.exact_v[:, :, :n].to(dtype)]
         if self.num_compressed:
-            k = self.key_codec.decode(self.key_views(), None)
-            v = self.value_codec.decode(self.value_views(), None)
-            if self.key_mean is not None:
-                k = k + self.key_mean[:, :, None, :]
-            if self.value_mean is not None:
-                v = v + self.value_mean[:, :, None, :]
-            parts_k.append(k.to(dtype))
-            parts_v.append(v.to(dtype))
+            k, v = self._decode_compressed(dtype)
+            parts_k.append(k)
+            parts_v.append(v)
         parts_k.append(window_k.to(dtype))
         parts_v.append(window_v.to(dtype))
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
@@ -367,9 +356,7 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         """Reorder the batch for beam search, in place (``beam_idx`` holds one source row per row)."""
         if not self.prefilled:
             return
-        self._check_batch_index("beam_idx", beam_idx)
-        if beam_idx.shape[0] != self.batch_size:
-            raise ValueError(f"`beam_idx` must have {self.batch_size} entries, got {beam_idx.shape[0]}")
+        self._check_beam_index(beam_idx)
         index = beam_idx.to(self.device)
         for t in (self.exact_k, self.exact_v, *self.store_tensors, self.key_mean, self.value_mean):
             if t is not None:
