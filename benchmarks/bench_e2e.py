@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from benchmarks.timing import relative_spread
+
 BATCH = 8
 CONTEXT = 32 * 1024
 DECODE_STEPS = 16
@@ -53,11 +55,12 @@ LLAMA3_8B = dict(
 )
 
 
-def build_model():
-    """The random Llama-3-8B-shaped model, built directly on the GPU in bf16 (sdpa attention)."""
+def build_model(layers: int = LLAMA3_8B["num_hidden_layers"]):
+    """The random Llama-3-8B-shaped model with ``layers`` decoder layers, built directly on the GPU in bf16 (sdpa
+    attention)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**LLAMA3_8B)
+    config = LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": layers})
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -165,10 +168,6 @@ def decode_pass(name: str, case: dict) -> float | None:
     return BATCH / statistics.median(times)
 
 
-def _spread(values: list[float]) -> float:
-    return (max(values) - min(values)) / statistics.median(values)
-
-
 def run(record) -> None:
     """Entry point for benchmarks/run_gpu.py: every cache prefilled once, then PASSES interleaved decode passes (one
     per cache in turn), so the host's drift hits every cache alike; medians and spreads over the passes."""
@@ -205,7 +204,7 @@ def run(record) -> None:
     for name, case in cases.items():
         if case["rates"]:
             record(f"e2e_{name}_decode_tokens_per_s_32k", statistics.median(case["rates"]), "tok/s",
-                   f"spread {_spread(case['rates']):.2f}")
+                   f"spread {relative_spread(case['rates']):.2f}")
         record(f"e2e_{name}_kv_bytes_per_token_32k", case["bytes_per_token"], "B/token")
         if "peak_fraction" in case:
             record(f"e2e_{name}_decode_peak_extra_mem_fraction_32k", case["peak_fraction"], "fraction")
@@ -216,7 +215,7 @@ def run(record) -> None:
             return
         pairs = [x / y for x, y in zip(a["rates"], b["rates"])]
         record(metric, statistics.median(pairs), "x", target)
-        record(f"{metric}_spread", _spread(pairs), "fraction")
+        record(f"{metric}_spread", relative_spread(pairs), "fraction")
         print(f"    {metric} per pass: " + " ".join(f"{p:.3f}" for p in pairs), flush=True)
 
     tq, dyn = cases.get("turboquant"), cases.get("dynamic")

@@ -46,6 +46,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_e2e import BATCH, LLAMA3_8B, cache_bytes, kv_bytes_bf16  # noqa: E402
+from benchmarks.bench_e2e import build_model as build_llama3_8b  # noqa: E402
+from benchmarks.timing import relative_spread  # noqa: E402
 
 CONTEXTS = (32 * 1024, 8 * 1024)
 PRESETS = {"": {}, "_bits3": {"bits": 3}, "_bits2p5": {"bits": 2.5}}  # metric suffix -> TurboQuantCache settings
@@ -57,15 +59,11 @@ STATIC_PREFILL_CHUNK = 2048  # StaticCache prefill chunk: its bool mask is B x c
 
 
 def build_model(layers: int):
-    """The random Llama-3-8B-shaped model with ``layers`` decoder layers, bf16 on the GPU (sdpa attention)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": layers})
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    """The random Llama-3-8B-shaped model with ``layers`` decoder layers, bf16 on the GPU (sdpa attention), that
+    never stops at an end-of-sequence token."""
+    model = build_llama3_8b(layers)
     model.generation_config.eos_token_id = None
-    return model.eval()
+    return model
 
 
 def compiled_forward(model) -> Callable:
@@ -110,10 +108,6 @@ def decode_pass(model, forward: Callable, case: dict, steps: int) -> float:
     case["next_ids"] = next_ids
     case["peak_extra"] = max(case.get("peak_extra", 0), torch.cuda.max_memory_allocated() - before)
     return BATCH / statistics.median(times)
-
-
-def _spread(values: list[float]) -> float:
-    return (max(values) - min(values)) / statistics.median(values)
 
 
 def _prefill_cases(model, makers: dict[str, tuple[Callable, Callable]], input_ids, tag: str, note: str, record,
@@ -191,7 +185,7 @@ def run_context(model, context: int, presets: list[str], steps: int, passes: int
                         tag, record)
     for name, case in cases.items():
         record(f"e2e_compiled_{name}_decode_tokens_per_s_{tag}", statistics.median(case["rates"]), "tok/s",
-               f"{note}, spread {_spread(case['rates']):.2f}")
+               f"{note}, spread {relative_spread(case['rates']):.2f}")
         record(f"e2e_compiled_{name}_kv_bytes_per_token_{tag}", case["bytes"] / (BATCH * context), "B/token")
 
     def ratio(a: dict | None, b: dict | None, metric: str, target: str | None) -> None:
@@ -199,7 +193,7 @@ def run_context(model, context: int, presets: list[str], steps: int, passes: int
             return
         pairs = [x / y for x, y in zip(a["rates"], b["rates"])]
         record(metric, statistics.median(pairs), "x", f"{target or ''} ({note})".strip())
-        record(f"{metric}_spread", _spread(pairs), "fraction")
+        record(f"{metric}_spread", relative_spread(pairs), "fraction")
         print(f"    {metric} per pair: " + " ".join(f"{p:.3f}" for p in pairs), flush=True)
 
     targets = {"32k": ">= 1.6", "8k": ">= 1.2"}
@@ -223,7 +217,7 @@ def run_context(model, context: int, presets: list[str], steps: int, passes: int
         cases = _interleave(model, cases, steps, passes, tag, record)
         if "dynamic" in cases:
             record(f"e2e_compiled_dynamic_decode_tokens_per_s_{tag}", statistics.median(cases["dynamic"]["rates"]),
-                   "tok/s", f"eager, {note}, spread {_spread(cases['dynamic']['rates']):.2f}")
+                   "tok/s", f"eager, {note}, spread {relative_spread(cases['dynamic']['rates']):.2f}")
         ratio(cases.get("turboquant"), cases.get("dynamic"), f"e2e_compiled_decode_ratio_vs_eager_dynamic_{tag}",
               ">= 5" if tag == "32k" else None)
     cases.clear()

@@ -1,4 +1,4 @@
-"""GPU timing helpers shared by every benchmark: CUDA events, warm-up, median, cold L2 by rotation."""
+"""GPU timing helpers shared by every benchmark: CUDA events, warm-up, median, spread, cold L2 by rotation."""
 
 from __future__ import annotations
 
@@ -77,6 +77,11 @@ def event_ms(fn_of_set: Callable[[object], object], sets: Sequence[object], call
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
+
+
+def relative_spread(values: Sequence[float]) -> float:
+    """(max - min) / median of repeated measurements."""
+    return (max(values) - min(values)) / statistics.median(values)
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
