@@ -1,4 +1,5 @@
-"""The README's quickstart runs as shown: the snippet between its quickstart markers, extracted and executed."""
+"""The README's quickstart runs as shown (the snippet between its quickstart markers, extracted and executed),
+and its Layout table names every module of the package."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+PACKAGE = README.parent / "flashquant_hf"
 
 
 def quickstart_snippet() -> str:
@@ -38,3 +40,18 @@ def test_quickstart_runs_as_shown():
     assert "paris" in answer.lower(), answer
     assert layer.startswith("TurboQuantLayer(layer_idx=0") and "bytes allocated" in sizes
     assert not [w for w in caught if "past_key_values" in str(w.message)], [str(w.message) for w in caught]
+
+
+def layout_paths() -> list[str]:
+    """The paths named in the first column of the README's Layout table, relative to ``flashquant_hf/`` (a bare
+    ``name.py`` beside a ``flashquant_hf/...`` path is in the package too), folders without their ``/``."""
+    section = README.read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    return [name.removeprefix("flashquant_hf/").rstrip("/") for row in rows for name in re.findall(r"`([^`]+)`", row)]
+
+
+def test_layout_table_names_every_module_once():
+    modules = sorted(p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file())
+    named = layout_paths()
+    assert [m for m in modules if m not in named] == [], "modules missing from README's Layout table"
+    assert sorted(m for m in named if m in modules) == modules, "a module named twice in README's Layout table"
