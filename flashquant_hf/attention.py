@@ -194,7 +194,7 @@ def _merged_torch(
     """
     q_len, total = query.shape[2], layer.get_seq_length()
     if q_len <= SERIAL_ROWS and torch.get_num_threads() > 1:
-        with _one_thread():
+        with one_thread():
             return _merged_torch(layer, query, mask, scale, softcap, is_causal)
     outs = []
     for r0 in range(0, q_len, TORCH_ROWS):
@@ -210,8 +210,10 @@ def _merged_torch(
 
 
 @contextlib.contextmanager
-def _one_thread():
-    """torch's intra-op threads set to 1 inside the block (a process-wide setting), restored after it."""
+def one_thread():
+    """torch's intra-op threads set to 1 inside the block (a process-wide setting), restored after it: small ops
+    gain nothing from a second thread, and on an oversubscribed CPU every OpenMP region of a 2-thread pool waits for
+    a descheduled thread (measured on a shared 2-core runner: 10-20 ms per small op)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 
 import torch
 import transformers
 
+from flashquant_hf.attention import one_thread  # noqa: F401  (tiny models' decode steps run on one thread)
 from flashquant_hf.cache import cache_kwargs  # noqa: F401  (the keyword the installed transformers takes)
 
 VOCAB = 96
@@ -100,14 +100,3 @@ def prompt_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
 
 
-@contextlib.contextmanager
-def one_thread():
-    """Run torch on one thread: decode steps of tiny models gain nothing from a second one, and on an
-    oversubscribed runner every OpenMP region of a 2-thread pool waits for a descheduled thread (measured here:
-    10-20 ms per small op, a 256-step SmolLM2 decode 14x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
