@@ -1,7 +1,7 @@
 """TurboQuantConfig: every knob of the compressed KV cache, from arguments or ``FLASHQUANT_*`` variables.
 
 Resolution order for each field: an explicit argument, else its environment variable, else the default.
-The defaults are the best settings measured so far that the CUDA kernels serve (SmolLM2-135M, decode-faithful
+The defaults are the best measured settings that the CUDA kernels serve (SmolLM2-135M, decode-faithful
 perplexity, prefix 1024, 1024 scored tokens, 3 rotation seeds; docs/quality.md): TQ4 with a 128-token exact window
 and norm correction +1.47%; adding 4 exact sink tokens and key centring +0.53%; value centring +0.48% (on for 4-bit
 values only: at 3 and 2.5 bits it measured worse); tokens leaving the window in blocks of 64 +0.43%. The 3- and
