@@ -12,6 +12,7 @@
 //
 // Build switches: none (kernels/merge_partials.py compiles every instantiation without options).
 
+#include "fast_math.cuh"
 #include "grid_dependency.cuh"
 
 namespace fqr {
@@ -19,21 +20,6 @@ namespace fqr {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kRowsPerBlock = 8;
-
-// NVRTC has no <math.h>: +inf from its bit pattern.
-__device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
-
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float lg2(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 template <int N>
 struct Vec {

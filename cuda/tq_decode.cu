@@ -42,6 +42,7 @@
 //   FQD_TMA_TILES      0 (default), 1   staged tiles: paged blocks of 16 keys, 8 warps, compute capability 9.x
 
 #include "decode_codes.cuh"
+#include "fast_math.cuh"
 #include "grid_dependency.cuh"
 #include "tile_copy.cuh"
 
@@ -127,21 +128,6 @@ struct Traits {
   static constexpr int kPVTiles = kPairs ? D / 32 : D / 16;
   static_assert(kHeadSlots == 4 || kHeadSlots == 8, "4 or 8 head slots");
 };
-
-// NVRTC has no <math.h>: +inf from its bit pattern.
-__device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
-
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float lg2(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 template <bool F16>
 __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {

@@ -4,7 +4,7 @@
 //
 // Contents: fp16/bf16/fp32 <-> fp32 conversions on raw bits (no dependence on the operator overloads of
 // cuda_fp16.h / cuda_bf16.h, which vary between CUDA versions), 16-byte vector loads/stores, warp and
-// block reductions through shuffles, exp2 helpers, mma.sync wrappers for tensor cores, and the TurboQuant
+// block reductions through shuffles, mma.sync wrappers for tensor cores, and the TurboQuant
 // bit-stream primitives.
 #ifndef FQ_UTILS_CUH
 #define FQ_UTILS_CUH
@@ -25,8 +25,6 @@
 struct alignas(2) __half { unsigned short storage; };
 struct alignas(2) __nv_bfloat16 { unsigned short storage; };
 #endif
-
-#define FQ_LOG2E 1.4426950408889634f  // log2(e): exp(x) = exp2(x * FQ_LOG2E)
 
 namespace fq {
 
@@ -233,23 +231,6 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     v = warp_max(v);
     __syncthreads();
     return v;
-}
-
-// ---------------------------------------------------------------------------------------------------
-// exp2: softmax uses exp2 with log2(e) folded into the score scale (multiply scores by FQ_LOG2E).
-// ---------------------------------------------------------------------------------------------------
-
-// 2^x with the hardware approximation (ex2.approx.ftz: ~2 ulp; exp2(-inf) = 0).
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ float fast_log2(float x) {
-    float y;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 
 // ---------------------------------------------------------------------------------------------------
