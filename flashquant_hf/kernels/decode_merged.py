@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import torch
 
-from . import checks
-from .decode_launch import BITS, HEAD_DIMS, check_codebooks
+from . import checks, tq_attention
+from .decode_launch import check_codebooks
 from .tq_decode import check_decode_inputs, launch_contiguous
 
 NAME_EXPRESSIONS: tuple[str, ...] = ()  # the kernels of tq_decode.py and merge_partials.py
 
 
 def unsupported(k_bits: int, v_bits: int, head_dim: int) -> str | None:
-    """Why no kernel serves this decode (a phrase), or None when one does."""
-    if head_dim not in HEAD_DIMS:
-        return f"head_dim {head_dim} (kernels are built for {', '.join(map(str, HEAD_DIMS))})"
-    if k_bits not in BITS or v_bits not in BITS:
-        return f"k_bits={k_bits}, v_bits={v_bits} (the decode reads {', '.join(map(str, BITS))}-bit codes)"
-    return None
+    """Why no kernel serves this decode (a phrase), or None when one does: the widths and head_dims of the one-query
+    decode that ``tq_attention`` routes."""
+    return tq_attention.unsupported(k_bits, v_bits, 1, head_dim)
 
 
 def decode_merged(
