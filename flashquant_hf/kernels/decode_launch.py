@@ -343,6 +343,7 @@ _CACHE_LIMIT = 256
 def clear_caches() -> None:
     """Forget cached plans, workspaces and argument blocks (after changing the tuning constants)."""
     _LAUNCHES.clear()
+    _PREPARED.clear()
     loader.clear_arg_blocks()
     plan_decode.cache_clear()
     _workspace.cache_clear()
@@ -392,12 +393,23 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
     loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH, programmatic)
 
 
+def _decode_args(setup: _Launch, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, group: int,
+                 centroids: tuple[torch.Tensor, torch.Tensor], scale: float, part_out, part_lse, rows: int) -> tuple:
+    """The kernel's arguments in order (tensors where it reads or writes memory)."""
+    i64 = np.int64
+    return (
+        q3, i64(q_strides[0]), i64(q_strides[1]), i64(q_strides[2]), *tensor_args,
+        centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, *setup.plan.kernel_lengths,
+        part_out, part_lse, rows, setup.prefetch,
+    )
+
+
 def run_decode(
     mode: int, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, batch: int, kv_heads: int,
     group: int, max_len: int, centroids: tuple[torch.Tensor, torch.Tensor], bits: tuple[int, int], scale: float,
     out: torch.Tensor, lse: torch.Tensor, log2_block_size: int | None = None,
     extra: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
+) -> PreparedDecode | None:
     """Plan, launch the decode kernel and (for several splits) the merge into ``out``, ``lse`` (contiguous,
     ``rows x D`` and ``rows`` elements).
 
@@ -410,6 +422,9 @@ def run_decode(
     group)``.
     The plan, workspace and argument layout are cached per shape, so repeated calls (every layer of every decode
     step) only rewrite pointers and launch.
+
+    Returns, without ``extra`` and with ``FAST_LAUNCH``, the call prepared for reuse (:class:`PreparedDecode`):
+    calls whose arguments differ only in their pointers may launch through it.
     """
     index = q3.device.index
     if index is None:
@@ -434,16 +449,97 @@ def run_decode(
         # Allocated here, not with the plan: a compiled step (which always passes ``extra``) must not create it
         # inside a CUDA-graph pool that outlives the step.
         part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
-    args = (
-        q3, np.int64(q_strides[0]), np.int64(q_strides[1]), np.int64(q_strides[2]), *tensor_args,
-        centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, *plan.kernel_lengths,
-        part_out, part_lse, rows, setup.prefetch,
-    )
-    launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
+    args = _decode_args(setup, q3, q_strides, tensor_args, group, centroids, scale, part_out, part_lse, rows)
+    merge_args = None
     if merge is not None:
         merge_args = merge_partials.contiguous_merge_args(part_out, part_lse, out, lse, merged_splits, rows, head_dim)
+    if extra is None and FAST_LAUNCH and torch.cuda.current_device() == index:
+        prepared = PreparedDecode.build(setup, args, merge_args, index, (part_out, part_lse) if merge else None)
+        prepared(tuple(a.data_ptr() for a in args[:-4] if isinstance(a, torch.Tensor)), out.data_ptr(),
+                 lse.data_ptr())
+        return prepared
+    launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
+    if merge is not None:
         launch_cached(merge, merge_ptr, merge_partials.merge_grid(rows), merge_partials.MERGE_THREADS, merge_args,
                       index)
+    return None
+
+
+@dataclass(frozen=True)
+class PreparedDecode:
+    """A decode call prepared for reuse: the decode launch and, for several splits, the merge launch, with every
+    argument but the pointers written once (:class:`~flashquant_hf.kernels.loader.PreparedLaunch`). A call passes
+    the addresses of the inputs (the tensors of the decode's arguments before the partial outputs, in order) and
+    of ``out`` and ``lse``."""
+
+    decode: loader.PreparedLaunch
+    merge: loader.PreparedLaunch | None
+    workspace: tuple[torch.Tensor, torch.Tensor] | None  # the partials the merge reads (kept alive here)
+
+    @classmethod
+    def build(cls, setup: _Launch, args: tuple, merge_args: tuple | None, index: int,
+              workspace: tuple[torch.Tensor, torch.Tensor] | None) -> "PreparedDecode":
+        decode = loader.PreparedLaunch(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index,
+                                       setup.plan.shared_mem)
+        merge = None
+        if merge_args is not None:
+            rows = merge_args[-2]
+            merge = loader.PreparedLaunch(setup.merge, setup.merge_ptr, merge_partials.merge_grid(rows),
+                                          merge_partials.MERGE_THREADS, merge_args, index)
+        return cls(decode, merge, workspace)
+
+    def __call__(self, inputs: tuple[int, ...], out: int, lse: int) -> None:
+        # Inside a CUDA-graph capture the launches are ordinary ones: the captured graph orders its kernels itself.
+        programmatic = PROGRAMMATIC_LAUNCH and not torch.cuda.is_current_stream_capturing()
+        if self.merge is None:
+            self.decode((*inputs, out, lse), programmatic)
+            return
+        part_out, part_lse = self.workspace[0].data_ptr(), self.workspace[1].data_ptr()
+        self.decode((*inputs, part_out, part_lse), programmatic)
+        self.merge((part_out, part_lse, out, lse), programmatic)
+
+
+@dataclass(frozen=True)
+class PreparedCall:
+    """A wrapper's prepared decode (:class:`PreparedDecode`) with what a reuse must still check per call: the
+    device and the byte alignment of the key and value code addresses (shapes, strides and dtypes are in the
+    signature it is stored under)."""
+
+    launch: PreparedDecode
+    index: int
+    alignment: tuple[int, int]
+
+
+_PREPARED: dict[tuple, PreparedCall] = {}
+
+
+def call_signature(wrapper: str, tensors: tuple, *values: Any) -> tuple | None:
+    """What a decode call's validity and plan depend on besides its pointers: each tensor's shape, strides, dtype
+    and device (None stays None) and the other arguments with their types (``True`` is not ``1``). None when an
+    argument is not a tensor: the wrapper's full checks then name it."""
+    try:
+        metadata = tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    except (AttributeError, TypeError):
+        return None
+    return (wrapper, metadata, values, tuple(map(type, values)))
+
+
+def prepared_call(signature: tuple | None) -> PreparedCall | None:
+    """The call prepared under ``signature``, if it is usable now (torch's current device is its device)."""
+    found = _PREPARED.get(signature) if signature is not None and FAST_LAUNCH else None
+    if found is not None and torch.cuda.current_device() == found.index:
+        return found
+    return None
+
+
+def remember_call(signature: tuple | None, launch: PreparedDecode | None, index: int,
+                  alignment: tuple[int, int]) -> None:
+    """Keep a checked call's prepared launch for later calls of the same signature."""
+    if signature is None or launch is None:
+        return
+    if len(_PREPARED) >= _CACHE_LIMIT:
+        _PREPARED.clear()
+    _PREPARED[signature] = PreparedCall(launch, index, alignment)
 
 
 def check_query(q_rot: torch.Tensor, rank: int, layout: str) -> None:

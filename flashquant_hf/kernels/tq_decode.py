@@ -14,7 +14,8 @@ import torch
 from . import checks
 from ..packing import packed_size
 from .decode_launch import (
-    MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, check_codebooks, check_query, run_decode, slice_alignment,
+    MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, PreparedDecode, call_signature, check_codebooks, check_query,
+    prepared_call, remember_call, run_decode, slice_alignment,
 )
 
 
@@ -80,6 +81,22 @@ def tq_decode(
     out_rot : fp32 shape [B, Hq, 1, D] (value-rotated space); lse : fp32 shape [B, Hq, 1] natural log, -inf (and
     out 0) where no key is visible
     """
+    scale = float(scale)
+    signature = call_signature("tq_decode", (q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids,
+                                             key_bias), k_bits, v_bits, scale)
+    prepared = prepared_call(signature)
+    if prepared is not None:
+        k_address, v_address = k_packed.data_ptr(), v_packed.data_ptr()
+        if not (k_address % prepared.alignment[0] or v_address % prepared.alignment[1]):
+            batch, q_heads, _, head_dim = q_rot.shape
+            out = torch.empty(batch, q_heads, 1, head_dim, dtype=torch.float32, device=q_rot.device)
+            lse = torch.empty(batch, q_heads, 1, dtype=torch.float32, device=q_rot.device)
+            inputs = (q_rot.data_ptr(), k_address, k_norms.data_ptr(), v_address, v_norms.data_ptr())
+            if key_bias is not None:
+                inputs += (key_bias.data_ptr(),)
+            prepared.launch((*inputs, k_centroids.data_ptr(), v_centroids.data_ptr()), out.data_ptr(),
+                            lse.data_ptr())
+            return out, lse
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
     batch, q_heads, _, head_dim = q_rot.shape
@@ -91,8 +108,10 @@ def tq_decode(
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
-    launch_contiguous(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
-                      key_bias, out, lse)
+    launched = launch_contiguous(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits,
+                                 v_bits, scale, key_bias, out, lse)
+    remember_call(signature, launched, q_rot.device.index,
+                  (slice_alignment(head_dim, k_bits, keys=True), slice_alignment(head_dim, v_bits, keys=False)))
     return out, lse
 
 
@@ -101,10 +120,11 @@ def launch_contiguous(
     k_centroids: torch.Tensor, v_centroids: torch.Tensor, k_bits: int, v_bits: int, scale: float,
     key_bias: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor | None = None,
     extra: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
+) -> PreparedDecode | None:
     """Launch the decode over the contiguous layout into ``out`` / ``lse`` (checked inputs, at least one key of
     capacity). ``lengths``: int32 ``[B]`` live keys per sequence on the device (default: all ``N`` keys);
-    ``extra``: one more partial merged in (see :func:`~flashquant_hf.kernels.decode_launch.run_decode`)."""
+    ``extra``: one more partial merged in (see :func:`~flashquant_hf.kernels.decode_launch.run_decode`, which
+    returns the prepared call)."""
     batch, q_heads, _, head_dim = q_rot.shape
     kv_heads, num_keys = k_packed.shape[1], k_packed.shape[2]
     i64 = np.int64
@@ -123,7 +143,7 @@ def launch_contiguous(
         i64(0), 0, num_keys,
     )
     qs = q_rot.stride()
-    run_decode(
+    return run_decode(
         mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, batch, kv_heads, q_heads // kv_heads,
         num_keys, (k_centroids, v_centroids), (k_bits, v_bits), float(scale), out, lse, extra=extra,
     )
