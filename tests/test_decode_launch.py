@@ -92,7 +92,8 @@ def test_build_options_per_block_size_and_staged_tiles(capability, log2_bs, head
 
 def test_builds_hold_every_launch_build():
     """BUILDS (what tests/test_cuda_compile.py compiles) hold the build of every launch on sm_80 and sm_90: both
-    head-slot counts, every block size, staged tiles only for blocks of 16 at head_dim <= 128."""
+    head-slot counts, every block size, contiguous runs staged or not; staged tiles only on sm_90 for blocks of 16
+    and the contiguous layout without key_bias, at head_dim <= 128."""
     builds = {options: set(names) for options, names in dl.BUILDS}
     for capability in (8, 9):
         for heads in (4, 8):
@@ -100,10 +101,15 @@ def test_builds_hold_every_launch_build():
                                 (dl.MODE_PAGED, [3, 4, 5, 6])):
                 for log2_bs in sizes:
                     for head_dim in dl.HEAD_DIMS:
-                        names = builds[dl.build_options(mode, heads, log2_bs, head_dim, capability)]
-                        assert {dl.kernel_name(head_dim, kind, mode) for kind in (0, 1, 2)} <= names
+                        for runs_staged in (False, True):
+                            options = dl.build_options(mode, heads, log2_bs, head_dim, capability, runs_staged)
+                            assert {dl.kernel_name(head_dim, kind, mode) for kind in (0, 1, 2)} <= builds[options]
+                            assert (dl.TMA_OPTION in options) == (
+                                capability == 9 and head_dim <= 128
+                                and (log2_bs == 4 if mode == dl.MODE_PAGED else mode == dl.MODE_CONTIGUOUS and runs_staged)
+                            )
     staged = {options: names for options, names in builds.items() if dl.TMA_OPTION in options}
-    assert len(staged) == 2 and all("<256," not in " ".join(names) for names in staged.values())
+    assert len(staged) == 4 and all("<256," not in " ".join(names) for names in staged.values())
     assert all(len([n for n in names if n.endswith(", 4, 4>")]) == 6 for names in staged.values())
 
 

@@ -79,9 +79,11 @@ HEADS_PER_CTA = 8  # the n = 8 head slots of one mma tile
 # GQA <= 4 runs the build whose mma columns are (head, half of the contraction / output dims) pairs, 4 head slots per
 # CTA (every lane scores a served head; half the O^T accumulator registers).
 PAIRED_OPTION = "-DFQD_HEAD_SLOTS=4"
-# Paged blocks of 16 keys on sm_90 (8 warps): every tile reaches shared memory by one bulk copy of the copy engine,
-# two tiles ahead per warp, instead of ten register loads per lane plus an L2 prefetch. False gives the register
-# loads of other GPUs (tests compare both on sm_90).
+# Staged tiles on sm_90 (8 warps): every tile reaches shared memory by the copy engine, two tiles ahead per warp,
+# instead of ten register loads per lane (plus an L2 prefetch when paged): paged blocks of 16 keys (one bulk copy per
+# tile), and the contiguous layout without key_bias where rows are packed and each (sequence, head) run is 16-byte
+# aligned (four copies per tile, see contiguous_runs_staged). False gives the register loads of other GPUs (tests
+# compare both on sm_90).
 TMA_TILES = True
 TMA_OPTION = "-DFQD_TMA_TILES=1"
 TMA_PREFETCH_CHUNKS = 0  # L2 prefetch distance beyond the two staged tiles (none: faster without on the H200)
@@ -122,17 +124,31 @@ def block_size_option(log2_block_size: int) -> str:
 
 
 def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: int,
-                  capability_major: int) -> tuple[str, ...]:
+                  capability_major: int, runs_staged: bool = False) -> tuple[str, ...]:
     """NVRTC options of the decode build a launch uses on a GPU of compute capability ``capability_major``.x: the
     paired build for 4 head slots (``heads``), the paged build for its block size, and staged tiles where they apply
-    (see TMA_TILES)."""
+    (see TMA_TILES; ``runs_staged``: a contiguous layout whose runs allow it, :func:`contiguous_runs_staged`)."""
     options = (PAIRED_OPTION,) if heads == 4 else ()
     if mode == MODE_PAGED:
         options += (block_size_option(log2_block_size),)
-        # sm_90 only: the stages need 105 KB of shared memory per CTA at D = 128, more than some later parts allow
-        if TMA_TILES and log2_block_size == 4 and warps_for(head_dim) == 8 and capability_major == 9:
-            options += (TMA_OPTION,)
+    # sm_90 only: the stages need up to 105 KB of shared memory per CTA at D = 128, more than some later parts allow
+    staged = log2_block_size == 4 if mode == MODE_PAGED else mode == MODE_CONTIGUOUS and runs_staged
+    if TMA_TILES and staged and warps_for(head_dim) == 8 and capability_major == 9:
+        options += (TMA_OPTION,)
     return options
+
+
+def contiguous_runs_staged(tensors: tuple[torch.Tensor, ...], row_bytes: tuple[int, ...]) -> bool:
+    """Whether the contiguous layout's four runs (key codes, key norms, value codes, value norms, each
+    ``[B, H_kv, N, row]``) can be bulk-copied per 16-key tile: rows packed (``row_bytes`` apart) and every (sequence,
+    head) run starting 16-byte aligned."""
+    for t, row in zip(tensors, row_bytes):
+        size = t.element_size()
+        if t.stride(2) * size != row or t.data_ptr() % 16:
+            return False
+        if any(s * size % 16 for s, n in zip(t.stride()[:2], t.shape[:2]) if n > 1):
+            return False
+    return True
 
 
 def _builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
@@ -144,12 +160,14 @@ def _builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
                 sizes = [size.bit_length() - 1 for size in BLOCK_SIZES] if mode == MODE_PAGED else [None]
                 for log2_block_size in sizes:
                     for head_dim in HEAD_DIMS:
-                        options = build_options(mode, heads, log2_block_size, head_dim, capability_major)
-                        names = builds.setdefault(options, [])
-                        for kind in QUERY_KINDS.values():
-                            name = kernel_name(head_dim, kind, mode)
-                            if name not in names:
-                                names.append(name)
+                        for runs_staged in (False, True):
+                            options = build_options(mode, heads, log2_block_size, head_dim, capability_major,
+                                                    runs_staged)
+                            names = builds.setdefault(options, [])
+                            for kind in QUERY_KINDS.values():
+                                name = kernel_name(head_dim, kind, mode)
+                                if name not in names:
+                                    names.append(name)
     return tuple((options, tuple(names)) for options, names in builds.items())
 
 
@@ -168,7 +186,8 @@ def _width_builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
     staged = (PAIRED_OPTION, block_size_option(4), TMA_OPTION)
     return (((), names(MODE_CONTIGUOUS, HEAD_DIMS)),
             ((block_size_option(4),), names(MODE_PAGED, HEAD_DIMS)),
-            (staged, names(MODE_PAGED, (64, 128))))
+            (staged, names(MODE_PAGED, (64, 128))),
+            ((PAIRED_OPTION, TMA_OPTION), names(MODE_CONTIGUOUS, (64, 128))))
 
 
 def _merged(*groups: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]):
@@ -186,8 +205,8 @@ BUILDS = _merged(_builds(), _width_builds())
 
 def staged_tile_bytes(options: tuple[str, ...], head_dim: int, warps: int, k_bits: int = 4, v_bits: int = 4) -> int:
     """Shared memory of the bulk-copied tile stages (two 16-key tiles and their barriers per warp) in builds with
-    ``-DFQD_TMA_TILES=1`` for blocks of 16 keys (the kernel stages only those), else 0."""
-    if TMA_OPTION not in options or block_size_option(4) not in options or warps != 8:
+    ``-DFQD_TMA_TILES=1`` (8-warp kernels), else 0."""
+    if TMA_OPTION not in options or warps != 8:
         return 0
     return warps * 2 * (16 * token_bytes(head_dim, k_bits, v_bits) + 8)
 
@@ -334,6 +353,7 @@ class _Launch:
     threads: int
     plan: DecodePlan
     prefetch: int  # the kernel's L2 prefetch distance (chunks)
+    options: tuple[str, ...]  # the NVRTC options of the kernel's build
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
@@ -351,8 +371,9 @@ def clear_caches() -> None:
 
 def _launch_for(mode: int, head_dim: int, query_kind: int, bits: tuple[int, int], index: int,
                 units: tuple[int, int, int], rows: int, length: int, log2_block_size: int | None,
-                heads: int) -> _Launch:
-    key = (mode, head_dim, query_kind, bits, index, units, rows, length, log2_block_size, heads, WARPS, SLOT_FACTOR,
+                heads: int, runs_staged: bool = False) -> _Launch:
+    key = (mode, head_dim, query_kind, bits, index, units, rows, length, log2_block_size, heads, runs_staged, WARPS,
+           SLOT_FACTOR,
            FIRST_PLACE_SPEEDUP, FIRST_PLACE_SPEEDUP_8_SLOTS, TMA_TILES, PREFETCH_CHUNKS, TMA_PREFETCH_CHUNKS,
            CONTIGUOUS_PREFETCH_CHUNKS)
     found = _LAUNCHES.get(key)
@@ -360,7 +381,7 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, bits: tuple[int, int]
         return found
     batch, kv_heads, head_groups = units
     warps = warps_for(head_dim)
-    options = build_options(mode, heads, log2_block_size, head_dim, loader.device_capability(index)[0])
+    options = build_options(mode, heads, log2_block_size, head_dim, loader.device_capability(index)[0], runs_staged)
     kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, *bits, warps), index, options)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size, lut_bytes(*bits))
@@ -373,11 +394,12 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, bits: tuple[int, int]
     merge, merge_ptr = None, 0
     if plan.splits > 1:
         merge, merge_ptr = merge_partials.merge_kernel(head_dim, index, plan.splits)
-    if mode != MODE_PAGED:
-        prefetch = CONTIGUOUS_PREFETCH_CHUNKS
+    if TMA_OPTION in options:
+        prefetch = TMA_PREFETCH_CHUNKS
     else:
-        prefetch = TMA_PREFETCH_CHUNKS if TMA_OPTION in options else PREFETCH_CHUNKS
-    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, prefetch)
+        prefetch = PREFETCH_CHUNKS if mode == MODE_PAGED else CONTIGUOUS_PREFETCH_CHUNKS
+    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, prefetch,
+                    options)
     if len(_LAUNCHES) >= _CACHE_LIMIT:
         _LAUNCHES.clear()
     _LAUNCHES[key] = found
@@ -408,7 +430,7 @@ def run_decode(
     mode: int, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, batch: int, kv_heads: int,
     group: int, max_len: int, centroids: tuple[torch.Tensor, torch.Tensor], bits: tuple[int, int], scale: float,
     out: torch.Tensor, lse: torch.Tensor, log2_block_size: int | None = None,
-    extra: tuple[torch.Tensor, torch.Tensor] | None = None,
+    extra: tuple[torch.Tensor, torch.Tensor] | None = None, runs_staged: bool = False,
 ) -> PreparedDecode | None:
     """Plan, launch the decode kernel and (for several splits) the merge into ``out``, ``lse`` (contiguous,
     ``rows x D`` and ``rows`` elements).
@@ -421,7 +443,8 @@ def run_decode(
     tensors or ``NULL``, strides as ``np.int64``, ints as int). The grid's units are ``units_shape(batch, H_kv,
     group)``.
     The plan, workspace and argument layout are cached per shape, so repeated calls (every layer of every decode
-    step) only rewrite pointers and launch.
+    step) only rewrite pointers and launch. ``runs_staged``: the contiguous layout's runs may be bulk-copied
+    (:func:`contiguous_runs_staged`).
 
     Returns, without ``extra`` and with ``FAST_LAUNCH``, the call prepared for reuse (:class:`PreparedDecode`):
     calls whose arguments differ only in their pointers may launch through it.
@@ -433,7 +456,7 @@ def run_decode(
     rows = lse.numel()
     length = -(-max_len // GRANULE) * GRANULE
     setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], bits, index, units_shape(batch, kv_heads, group),
-                        rows, length, log2_block_size, head_slots(group))
+                        rows, length, log2_block_size, head_slots(group), runs_staged)
     plan = setup.plan
     merge, merge_ptr, merged_splits = setup.merge, setup.merge_ptr, plan.splits
     if extra is not None:
@@ -475,6 +498,7 @@ class PreparedDecode:
     decode: loader.PreparedLaunch
     merge: loader.PreparedLaunch | None
     workspace: tuple[torch.Tensor, torch.Tensor] | None  # the partials the merge reads (kept alive here)
+    options: tuple[str, ...]  # the decode build's NVRTC options
 
     @classmethod
     def build(cls, setup: _Launch, args: tuple, merge_args: tuple | None, index: int,
@@ -486,7 +510,7 @@ class PreparedDecode:
             rows = merge_args[-2]
             merge = loader.PreparedLaunch(setup.merge, setup.merge_ptr, merge_partials.merge_grid(rows),
                                           merge_partials.MERGE_THREADS, merge_args, index)
-        return cls(decode, merge, workspace)
+        return cls(decode, merge, workspace, setup.options)
 
     def __call__(self, inputs: tuple[int, ...], out: int, lse: int) -> None:
         # Inside a CUDA-graph capture the launches are ordinary ones: the captured graph orders its kernels itself.
@@ -507,7 +531,7 @@ class PreparedCall:
 
     launch: PreparedDecode
     index: int
-    alignment: tuple[int, int]
+    alignment: tuple[int, ...]  # per code / norm address the wrapper checks (bytes)
 
 
 _PREPARED: dict[tuple, PreparedCall] = {}
@@ -533,7 +557,7 @@ def prepared_call(signature: tuple | None) -> PreparedCall | None:
 
 
 def remember_call(signature: tuple | None, launch: PreparedDecode | None, index: int,
-                  alignment: tuple[int, int]) -> None:
+                  alignment: tuple[int, ...]) -> None:
     """Keep a checked call's prepared launch for later calls of the same signature."""
     if signature is None or launch is None:
         return

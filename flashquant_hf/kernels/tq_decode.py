@@ -15,7 +15,8 @@ from . import checks
 from ..packing import packed_size
 from .decode_launch import (
     MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, PreparedDecode, call_signature, check_codebooks, check_query,
-    prepared_call, remember_call, run_decode, slice_alignment,
+    contiguous_runs_staged,
+    prepared_call, remember_call, run_decode, slice_alignment, TMA_OPTION,
 )
 
 
@@ -86,12 +87,13 @@ def tq_decode(
                                              key_bias), k_bits, v_bits, scale)
     prepared = prepared_call(signature)
     if prepared is not None:
-        k_address, v_address = k_packed.data_ptr(), v_packed.data_ptr()
-        if not (k_address % prepared.alignment[0] or v_address % prepared.alignment[1]):
+        runs = (k_packed.data_ptr(), k_norms.data_ptr(), v_packed.data_ptr(), v_norms.data_ptr())
+        if not (runs[0] % prepared.alignment[0] or runs[1] % prepared.alignment[1] or runs[2] % prepared.alignment[2]
+                or runs[3] % prepared.alignment[3]):
             batch, q_heads, _, head_dim = q_rot.shape
             out = torch.empty(batch, q_heads, 1, head_dim, dtype=torch.float32, device=q_rot.device)
             lse = torch.empty(batch, q_heads, 1, dtype=torch.float32, device=q_rot.device)
-            inputs = (q_rot.data_ptr(), k_address, k_norms.data_ptr(), v_address, v_norms.data_ptr())
+            inputs = (q_rot.data_ptr(), *runs)
             if key_bias is not None:
                 inputs += (key_bias.data_ptr(),)
             prepared.launch((*inputs, k_centroids.data_ptr(), v_centroids.data_ptr()), out.data_ptr(),
@@ -110,8 +112,11 @@ def tq_decode(
         return out, lse
     launched = launch_contiguous(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits,
                                  v_bits, scale, key_bias, out, lse)
-    remember_call(signature, launched, q_rot.device.index,
-                  (slice_alignment(head_dim, k_bits, keys=True), slice_alignment(head_dim, v_bits, keys=False)))
+    if launched is not None:  # later calls check what this one's build assumed of the addresses
+        staged = TMA_OPTION in launched.options
+        alignment = (16 if staged else slice_alignment(head_dim, k_bits, keys=True), 16 if staged else 4,
+                     16 if staged else slice_alignment(head_dim, v_bits, keys=False), 16 if staged else 4)
+        remember_call(signature, launched, q_rot.device.index, alignment)
     return out, lse
 
 
@@ -143,7 +148,10 @@ def launch_contiguous(
         i64(0), 0, num_keys,
     )
     qs = q_rot.stride()
+    runs_staged = key_bias is None and contiguous_runs_staged(
+        (k_packed, k_norms, v_packed, v_norms), (k_packed.shape[3], 4, v_packed.shape[3], 4))
     return run_decode(
         mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, batch, kv_heads, q_heads // kv_heads,
         num_keys, (k_centroids, v_centroids), (k_bits, v_bits), float(scale), out, lse, extra=extra,
+        runs_staged=runs_staged,
     )

@@ -389,3 +389,35 @@ def test_tq_decode_prepared_call_still_rejects_misaligned_codes(cuda_gen):
     assert shifted.stride() == k.stride() and shifted.data_ptr() % 16 == 8
     with pytest.raises(ValueError, match="`k_packed` needs a contiguous last dimension and 16-byte aligned rows"):
         tq_decode(q, shifted, kn, v, vn, c, c, 4, 4, 0.1)
+
+
+@pytest.mark.parametrize("bits", [(4, 4), (3, 3), (3, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [4, 8])
+def test_tq_decode_staged_and_register_tiles(bits, head_dim, group, monkeypatch, poison, cuda_gen):
+    """Contiguous runs bulk-copied per tile into shared memory (sm_90, rows packed and every run 16-byte aligned)
+    and the register loads (TMA_TILES False, or a capacity whose norm runs are not 16-byte aligned) all equal the
+    reference: several splits with a partial last tile (read from global memory), one key, 17 keys; outputs
+    poisoned first."""
+    import flashquant_hf.kernels.decode_launch as dl
+
+    staged_available = torch.cuda.get_device_capability()[0] == 9
+    real_empty = torch.empty
+    c_k, c_v = centroids(head_dim, bits[0]), centroids(head_dim, bits[1])
+    for num_keys in (4100, 1, 17):
+        for extra, tma in ((12, True), (13, True), (12, False)):  # capacity % 4 == 0: norm runs 16-byte aligned
+            monkeypatch.setattr(dl, "TMA_TILES", tma)
+            dl.clear_caches()
+            cache = random_cache(2, 2, num_keys, head_dim, capacity_extra=extra + (-num_keys) % 4,
+                                 seed=num_keys + extra, k_bits=bits[0], v_bits=bits[1])
+            q = torch.randn(2, 2 * group, 1, head_dim, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
+            with monkeypatch.context() as patched:
+                patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+                from flashquant_hf.kernels.tq_decode import tq_decode
+
+                result = tq_decode(q, *cache, c_k, c_v, *bits, head_dim**-0.5)
+            (setup,) = dl._LAUNCHES.values()
+            staged = dl.TMA_OPTION in setup.options
+            assert staged == (tma and staged_available and (num_keys + extra + (-num_keys) % 4) % 4 == 0), setup
+            check(result, q, cache, c_k, c_v, bits=bits)
+    dl.clear_caches()
