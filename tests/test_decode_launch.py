@@ -104,10 +104,9 @@ def test_builds_hold_every_launch_build():
                         for runs_staged in (False, True):
                             options = dl.build_options(mode, heads, log2_bs, head_dim, capability, runs_staged)
                             assert {dl.kernel_name(head_dim, kind, mode) for kind in (0, 1, 2)} <= builds[options]
-                            assert (dl.TMA_OPTION in options) == (
-                                capability == 9 and head_dim <= 128
-                                and (log2_bs == 4 if mode == dl.MODE_PAGED else mode == dl.MODE_CONTIGUOUS and runs_staged)
-                            )
+                            stageable = log2_bs == 4 if mode == dl.MODE_PAGED else (
+                                mode == dl.MODE_CONTIGUOUS and runs_staged)
+                            assert (dl.TMA_OPTION in options) == (capability == 9 and head_dim <= 128 and stageable)
     staged = {options: names for options, names in builds.items() if dl.TMA_OPTION in options}
     assert len(staged) == 4 and all("<256," not in " ".join(names) for names in staged.values())
     assert all(len([n for n in names if n.endswith(", 4, 4>")]) == 6 for names in staged.values())
