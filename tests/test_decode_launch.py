@@ -157,3 +157,15 @@ def test_tq_attention_routes_every_decode_width_to_a_kernel():
             assert (chunk is None) == (1 not in (k_bits, v_bits)), (k_bits, v_bits)
     assert "head_dim 96" in ta.unsupported(4, 4, 1, 96)
     assert "k_bits=1" in ta.unsupported(1, 2, 16, 64)
+
+
+@pytest.mark.parametrize("head_dim, k_bits, v_bits, staged", [
+    (128, 3, 3, True), (128, 4, 3, True), (128, 3, 4, False), (64, 3, 2, True), (64, 2, 2, True),
+    (128, 4, 4, False), (128, 3, 2, False), (128, 2, 2, False), (64, 4, 4, False), (256, 3, 3, False),
+])
+def test_contiguous_staging_follows_the_narrowest_register_piece(head_dim, k_bits, v_bits, staged):
+    """The contiguous layout stages its tiles exactly where a lane's key quarter or value slice would be loaded in
+    pieces under STAGED_BELOW_PIECE bytes."""
+    pieces = (dl.slice_alignment(head_dim, k_bits, keys=True), dl.slice_alignment(head_dim, v_bits, keys=False))
+    assert (min(pieces) < dl.STAGED_BELOW_PIECE) == staged
+    assert dl.contiguous_staging_pays(head_dim, k_bits, v_bits) == staged

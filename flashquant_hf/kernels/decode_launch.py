@@ -138,6 +138,18 @@ def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: 
     return options
 
 
+# The contiguous layout stages its tiles where a lane's register loads would be narrower than this many bytes (e.g.
+# 3-bit codes at head_dim 128: 2-byte value pieces); with wider pieces the tile's four bulk copies cost more than the
+# loads they replace (docs/kernels_decode.md, "Measured and rejected").
+STAGED_BELOW_PIECE = 4
+
+
+def contiguous_staging_pays(head_dim: int, k_bits: int, v_bits: int) -> bool:
+    """Whether staged tiles beat register loads for the contiguous layout at these widths (STAGED_BELOW_PIECE)."""
+    narrowest = min(slice_alignment(head_dim, k_bits, keys=True), slice_alignment(head_dim, v_bits, keys=False))
+    return narrowest < STAGED_BELOW_PIECE
+
+
 def contiguous_runs_staged(tensors: tuple[torch.Tensor, ...], row_bytes: tuple[int, ...]) -> bool:
     """Whether the contiguous layout's four runs (key codes, key norms, value codes, value norms, each
     ``[B, H_kv, N, row]``) can be bulk-copied per 16-key tile: rows packed (``row_bytes`` apart) and every (sequence,

@@ -15,7 +15,7 @@ from . import checks
 from ..packing import packed_size
 from .decode_launch import (
     MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, PreparedDecode, call_signature, check_codebooks, check_query,
-    contiguous_runs_staged,
+    contiguous_runs_staged, contiguous_staging_pays,
     prepared_call, remember_call, run_decode, slice_alignment, TMA_OPTION,
 )
 
@@ -148,7 +148,7 @@ def launch_contiguous(
         i64(0), 0, num_keys,
     )
     qs = q_rot.stride()
-    runs_staged = key_bias is None and contiguous_runs_staged(
+    runs_staged = key_bias is None and contiguous_staging_pays(head_dim, k_bits, v_bits) and contiguous_runs_staged(
         (k_packed, k_norms, v_packed, v_norms), (k_packed.shape[3], 4, v_packed.shape[3], 4))
     return run_decode(
         mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, batch, kv_heads, q_heads // kv_heads,

@@ -395,8 +395,9 @@ def test_tq_decode_prepared_call_still_rejects_misaligned_codes(cuda_gen):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [4, 8])
 def test_tq_decode_staged_and_register_tiles(bits, head_dim, group, monkeypatch, poison, cuda_gen):
-    """Contiguous runs bulk-copied per tile into shared memory (sm_90, rows packed and every run 16-byte aligned)
-    and the register loads (TMA_TILES False, or a capacity whose norm runs are not 16-byte aligned) all equal the
+    """Contiguous runs bulk-copied per tile into shared memory (sm_90, widths whose register loads are narrow, rows
+    packed and every run 16-byte aligned) and the register loads (TMA_TILES False, other widths, or a capacity whose
+    norm runs are not 16-byte aligned) all equal the
     reference: several splits with a partial last tile (read from global memory), one key, 17 keys; outputs
     poisoned first."""
     import flashquant_hf.kernels.decode_launch as dl
@@ -418,6 +419,8 @@ def test_tq_decode_staged_and_register_tiles(bits, head_dim, group, monkeypatch,
                 result = tq_decode(q, *cache, c_k, c_v, *bits, head_dim**-0.5)
             (setup,) = dl._LAUNCHES.values()
             staged = dl.TMA_OPTION in setup.options
-            assert staged == (tma and staged_available and (num_keys + extra + (-num_keys) % 4) % 4 == 0), setup
+            aligned = (num_keys + extra + (-num_keys) % 4) % 4 == 0
+            pays = dl.contiguous_staging_pays(head_dim, *bits)
+            assert staged == (tma and staged_available and aligned and pays), setup
             check(result, q, cache, c_k, c_v, bits=bits)
     dl.clear_caches()
