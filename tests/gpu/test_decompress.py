@@ -27,6 +27,8 @@ from flashquant_hf.reference.decompress import decompress as reference_decompres
 from flashquant_hf.reference.decompress import dequantize_rotated as reference_dequantize
 from flashquant_hf.rotation import hadamard_signs, random_rotation
 
+from .codec_helpers import CODEBOOK_AND_ROTATION_BAD_INPUTS
+
 pytestmark = pytest.mark.usefixtures("exact_fp32_matmul")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GRID = [(d, b) for d in kd.HEAD_DIMS for b in kd.BITS]
@@ -227,13 +229,8 @@ BAD_INPUTS = [
     (lambda: dict(norms=torch.ones(3, device="cuda", dtype=torch.float16)), ValueError,
      r"`norms` must have dtype float32"),
     (lambda: dict(norms=torch.ones(3)), ValueError, r"`norms` must be a CUDA tensor.*cpu"),
-    (lambda: dict(centroids=torch.zeros(8, device="cuda")), ValueError, r"`centroids` must have shape \[16\]"),
-    (lambda: dict(rotation=torch.eye(64, device="cuda")), ValueError, r"`rotation` must have shape \[128, 128\]"),
     (lambda: dict(dtype=torch.int8), ValueError, r"`dtype` must be one of"),
-    (lambda: dict(bits=0), ValueError, r"`bits` must be one of"),
-    (lambda: dict(hadamard_signs=torch.ones(64, device="cuda")), ValueError,
-     r"`hadamard_signs` must have shape \[128\]"),
-]
+] + CODEBOOK_AND_ROTATION_BAD_INPUTS
 
 
 @pytest.mark.parametrize("overrides,error,match", BAD_INPUTS)
