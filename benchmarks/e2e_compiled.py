@@ -55,6 +55,7 @@ DECODE_STEPS = 16
 WARMUP_STEPS = 3  # cudagraph trees record on the second call of a graph
 PASSES = 3
 TIME_BUDGET_S = 540.0
+PHASES = ("static", "dynamic")  # run_context's two phases
 STATIC_PREFILL_CHUNK = 2048  # StaticCache prefill chunk: its bool mask is B x chunk x capacity bytes (0.5 GB at 32K)
 
 
@@ -160,10 +161,12 @@ def _interleave(model, cases: dict[str, dict], steps: int, passes: int, tag: str
     return cases
 
 
-def run_context(model, context: int, presets: list[str], steps: int, passes: int, record, began: float) -> None:
-    """One context in two phases, each prefilling its caches once and interleaving their passes: the compiled
-    StaticCache and every TurboQuantCache preset; then the compiled TurboQuantCache() again with eager DynamicCache
-    (which would not fit beside the others at 32K on one GPU)."""
+def run_context(model, context: int, presets: list[str], steps: int, passes: int, record, began: float,
+                phases: tuple[str, ...] = PHASES) -> None:
+    """One context in two phases, each prefilling its caches once and interleaving their passes: ``"static"``, the
+    compiled StaticCache and every TurboQuantCache preset; then ``"dynamic"``, the compiled TurboQuantCache() again
+    with eager DynamicCache (which would not fit beside the others at 32K on one GPU). At 32 layers and 32K the
+    StaticCache's graphs keep its 34 GB alive, so the phases run as separate parts there (``FLASHQUANT_E2E_PHASES``)."""
     from transformers import DynamicCache, StaticCache
 
     from flashquant_hf import TurboQuantCache
@@ -178,12 +181,17 @@ def run_context(model, context: int, presets: list[str], steps: int, passes: int
     # beside the weights and the compressed caches but not beside a bf16 StaticCache of 32 layers at 32K.
     makers: dict[str, tuple[Callable, Callable]] = {
         **{f"turboquant{suffix}": ((lambda s=settings: TurboQuantCache(max_cache_len=capacity, **s)), compiled)
-           for suffix, settings in PRESETS.items() if suffix in presets},
+           for suffix, settings in PRESETS.items() if suffix in presets and ("static" in phases or not suffix)},
         "static": (lambda: StaticCache(config=model.config, max_cache_len=capacity), compiled),
     }
-    cases = _interleave(model, _prefill_cases(model, makers, input_ids, tag, note, record, began), steps, passes,
-                        tag, record)
+    if "static" not in phases:  # the compiled TurboQuantCache() alone, prefilled for the second phase
+        makers = {"turboquant": makers["turboquant"]}
+    cases = _prefill_cases(model, makers, input_ids, tag, note, record, began)
+    if "static" in phases:
+        cases = _interleave(model, cases, steps, passes, tag, record)
     for name, case in cases.items():
+        if not case["rates"]:  # prefilled for the second phase only
+            continue
         record(f"e2e_compiled_{name}_decode_tokens_per_s_{tag}", statistics.median(case["rates"]), "tok/s",
                f"{note}, spread {relative_spread(case['rates']):.2f}")
         record(f"e2e_compiled_{name}_kv_bytes_per_token_{tag}", case["bytes"] / (BATCH * context), "B/token")
@@ -201,14 +209,14 @@ def run_context(model, context: int, presets: list[str], steps: int, passes: int
         ratio(cases.get(f"turboquant{suffix}"), cases.get("static"),
               f"e2e_compiled_decode_ratio_vs_static{suffix}_{tag}", targets.get(tag))
     tq = cases.get("turboquant")
-    if tq is not None:
+    if tq is not None and tq["rates"]:
         record(f"e2e_compiled_decode_tokens_per_s_{tag}", statistics.median(tq["rates"]), "tok/s", note)
         if "static" in cases:
             extra = tq["peak_extra"] - cases["static"]["peak_extra"]
             record(f"e2e_compiled_peak_mem_extra_fraction_{tag}", extra / kv_bytes_bf16(context), "fraction",
                    "< 0.05" if tag == "32k" else None)
     # Phase 2: the compiled TurboQuantCache() (still prefilled) against eager DynamicCache.
-    cases = {"turboquant": {**tq, "rates": []}} if tq is not None else {}
+    cases = {"turboquant": {**tq, "rates": []}} if tq is not None and "dynamic" in phases else {}
     tq = None
     gc.collect()
     torch.cuda.empty_cache()
@@ -229,9 +237,15 @@ PRESET_SUFFIXES = {"4": "", "3": "_bits3", "2.5": "_bits2p5"}  # command-line / 
 
 
 def _from_environment() -> dict:
-    """run()'s settings from ``FLASHQUANT_E2E_CONTEXTS`` / ``_PRESETS`` (space-separated) and ``_LAYERS``, so
-    ``run_gpu.py --only e2e_compiled`` can run a part (each 32K context wants most of a 600 s command)."""
+    """run()'s settings from ``FLASHQUANT_E2E_CONTEXTS`` / ``_PRESETS`` / ``_PHASES`` (space-separated) and
+    ``_LAYERS``, so ``run_gpu.py --only e2e_compiled`` can run a part (each 32K context wants most of a 600 s
+    command)."""
     settings: dict = {}
+    if os.environ.get("FLASHQUANT_E2E_PHASES"):
+        settings["phases"] = tuple(os.environ["FLASHQUANT_E2E_PHASES"].split())
+        unknown = set(settings["phases"]) - set(PHASES)
+        if unknown:
+            raise ValueError(f"FLASHQUANT_E2E_PHASES: unknown phases {sorted(unknown)}, expected some of {PHASES}")
     if os.environ.get("FLASHQUANT_E2E_CONTEXTS"):
         settings["contexts"] = tuple(int(c) for c in os.environ["FLASHQUANT_E2E_CONTEXTS"].split())
     if os.environ.get("FLASHQUANT_E2E_PRESETS"):
@@ -251,7 +265,9 @@ def run(record, contexts=None, layers: int | None = None, steps: int = DECODE_ST
     contexts = contexts or environment.get("contexts", CONTEXTS)
     layers = layers or environment.get("layers", LLAMA3_8B["num_hidden_layers"])
     presets = presets or environment.get("presets", tuple(PRESETS))
-    print(f"  contexts {contexts}, presets {presets}, {layers} layers, {steps} steps x {passes} passes", flush=True)
+    phases = environment.get("phases", PHASES)
+    print(f"  contexts {contexts}, presets {presets}, phases {phases}, {layers} layers, {steps} steps x {passes} "
+          "passes", flush=True)
     began = time.perf_counter()
     limit = getattr(torch._dynamo.config, "recompile_limit", None)
     if limit is not None:  # one graph per cache kind and context
@@ -264,7 +280,7 @@ def run(record, contexts=None, layers: int | None = None, steps: int = DECODE_ST
         if time.perf_counter() - began > TIME_BUDGET_S:
             record(f"e2e_compiled_skipped_time_budget_{context // 1024}k", 1, "flag", "0")
             continue
-        run_context(model, context, list(presets), steps, passes, record, began)
+        run_context(model, context, list(presets), steps, passes, record, began, phases)
     record("e2e_compiled_total_s", time.perf_counter() - began, "s", "< 300 per 32K context")
 
 
