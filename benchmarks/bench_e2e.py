@@ -42,16 +42,8 @@ PASSES = 3  # interleaved decode passes per cache
 PREFILL_CHUNKS = (None, 8192, 2048)  # one forward first; smaller chunks only after an out-of-memory error
 TIME_BUDGET_S = 240.0
 LLAMA3_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    tie_word_embeddings=False,
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False,
 )
 
 

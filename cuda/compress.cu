@@ -151,6 +151,25 @@ struct TableBucketizer {
         }
     }
 
+    // The boundaries of one cell of a table, given every boundary's cell (`cells` [NB]): how many lie below it, how
+    // many inside it, and the first inside it (+inf when none).
+    struct CellCount {
+        int below, inside;
+        float first;
+    };
+    __device__ __forceinline__ static CellCount count_cell(const int* cells, const float* bnd, int cell_id) {
+        CellCount n{0, 0, __int_as_float(0x7f800000)};
+        for (int k = 0; k < NB; ++k) {
+            const int bc = cells[k];
+            n.below += bc < cell_id ? 1 : 0;
+            if (bc == cell_id) {
+                if (n.inside == 0) n.first = bnd[k];
+                ++n.inside;
+            }
+        }
+        return n;
+    }
+
     // Collective: every thread of the block calls it (contains __syncthreads); needs >= NCELL threads. FULL:
     // also build the full-range table (only the tensor-core kernel reads it; the others skip its code).
     template <bool FULL>
@@ -205,34 +224,16 @@ struct TableBucketizer {
         }
         __syncthreads();
         if (tid < NCELL) {
-            int below = 0, inside = 0;
-            float t = __int_as_float(0x7f800000);  // +inf: no boundary in this cell
-            for (int k = 0; k < NB; ++k) {
-                const int bc = sm.bcell[k];
-                below += bc < tid ? 1 : 0;
-                if (bc == tid) {
-                    if (inside == 0) t = sm.bnd[k];
-                    ++inside;
-                }
-            }
-            sm.base[tid] = below;
-            sm.thr[tid] = t;
-            if (inside > 1) sm.slow = 1;
+            const CellCount n = count_cell(sm.bcell, sm.bnd, tid);
+            sm.base[tid] = n.below;
+            sm.thr[tid] = n.first;
+            if (n.inside > 1) sm.slow = 1;
         }
         for (int cellk = tid; FULL && cellk < NFULL; cellk += blockDim.x) {
-            int below = 0, inside = 0;
-            float t = __int_as_float(0x7f800000);
-            for (int k = 0; k < NB; ++k) {
-                const int bc = sm.fcell[k];
-                below += bc < cellk ? 1 : 0;
-                if (bc == cellk) {
-                    if (inside == 0) t = sm.bnd[k];
-                    ++inside;
-                }
-            }
-            sm.fthr[cellk] = t;
-            sm.fbase[cellk] = below;
-            if (inside > 1) sm.full_ok = 0;
+            const CellCount n = count_cell(sm.fcell, sm.bnd, cellk);
+            sm.fthr[cellk] = n.first;
+            sm.fbase[cellk] = n.below;
+            if (n.inside > 1) sm.full_ok = 0;
         }
         __syncthreads();
         if (FULL) full_addr_bias = *static_cast<volatile unsigned*>(&sm.full_addr_bias);
@@ -626,38 +627,36 @@ __device__ __forceinline__ void compress_mma_rows(
     if (static_cast<unsigned long long>(tile) * ROWS >= rows) return;
     TileRaw<S::SUB, S::NI> buf0, buf1;
     load_tile_raw<D, BITS, T>(x, sx0, sx1, sx2, n1, n2, rows, tile * ROWS, g, t, buf0);
-    while (true) {
-        unsigned next = tile + stride;
-        bool has_next = static_cast<unsigned long long>(next) * ROWS < rows;  // uniform over the warp
-        if (has_next) load_tile_raw<D, BITS, T>(x, sx0, sx1, sx2, n1, n2, rows, next * ROWS, g, t, buf1);
+    // Compress the tile in `cur` after issuing the loads of the next one into `nxt`; false after the last tile.
+    auto step = [&](const TileRaw<S::SUB, S::NI>& cur, TileRaw<S::SUB, S::NI>& nxt) {
+        const unsigned next = tile + stride;
+        const bool has_next = static_cast<unsigned long long>(next) * ROWS < rows;  // uniform over the warp
+        if (has_next) load_tile_raw<D, BITS, T>(x, sx0, sx1, sx2, n1, n2, rows, next * ROWS, g, t, nxt);
 #pragma unroll
         for (int u = 0; u < S::SUB; ++u)
-            compress_mma_subtile<D, BITS, T, NC, MODE>(buf0.c[u], tile * ROWS + 8 * u + g, t, rows, bucket, bfrag,
+            compress_mma_subtile<D, BITS, T, NC, MODE>(cur.c[u], tile * ROWS + 8 * u + g, t, rows, bucket, bfrag,
                                                        smask, s_csq, packed, norms);
-        if (!has_next) break;
         tile = next;
-        next = tile + stride;
-        has_next = static_cast<unsigned long long>(next) * ROWS < rows;
-        if (has_next) load_tile_raw<D, BITS, T>(x, sx0, sx1, sx2, n1, n2, rows, next * ROWS, g, t, buf0);
-#pragma unroll
-        for (int u = 0; u < S::SUB; ++u)
-            compress_mma_subtile<D, BITS, T, NC, MODE>(buf1.c[u], tile * ROWS + 8 * u + g, t, rows, bucket, bfrag,
-                                                       smask, s_csq, packed, norms);
-        if (!has_next) break;
-        tile = next;
+        return has_next;
+    };
+    while (step(buf0, buf1) && step(buf1, buf0)) {
     }
 }
 
 }  // namespace fq_compress
 
+// The arguments of both kernels, in the order kernels/compress.py passes them; ROTATION names the rotation input
+// (the Hadamard signs, or the dense matrix).
+#define FQ_COMPRESS_ARGS(ROTATION)                                                                                \
+    const T* __restrict__ x, const long long sx0, const long long sx1, const long long sx2, const unsigned n1,    \
+        const unsigned n1_magic, const unsigned n1_shift, const unsigned n2, const unsigned n2_magic,             \
+        const unsigned n2_shift, const int rows, const float* __restrict__ ROTATION,                              \
+        const float* __restrict__ boundaries, const float* __restrict__ centroids, const int norm_correction,     \
+        unsigned char* __restrict__ packed, float* __restrict__ norms
+
 template <int D, int BITS, typename T>
 __global__ void __launch_bounds__(fq_compress::HadamardLaunch<D, T>::THREADS, fq_compress::HadamardLaunch<D, T>::MIN_BLOCKS)
-tq_compress_hadamard(
-    const T* __restrict__ x, const long long sx0, const long long sx1, const long long sx2,
-    const unsigned n1, const unsigned n1_magic, const unsigned n1_shift,
-    const unsigned n2, const unsigned n2_magic, const unsigned n2_shift, const int rows,
-    const float* __restrict__ signs, const float* __restrict__ boundaries, const float* __restrict__ centroids,
-    const int norm_correction, unsigned char* __restrict__ packed, float* __restrict__ norms) {
+tq_compress_hadamard(FQ_COMPRESS_ARGS(signs)) {
     using namespace fq_compress;
     using S = HadamardShape<D, BITS, T>;
     __shared__ TableSmem table;
@@ -695,13 +694,7 @@ tq_compress_hadamard(
         return;
     }
     // One bit per coordinate of this thread: set where the Hadamard sign is negative.
-    const int t = threadIdx.x % S::LANES;
-    unsigned neg = 0;
-#pragma unroll
-    for (int v = 0; v < S::V; ++v)
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-            neg |= (__ldg(signs + (v * S::LANES + t) * 8 + j) < 0.f ? 1u : 0u) << (v * 8 + j);
+    const unsigned neg = fq::negative_sign_bits<S::V, S::LANES>(signs, threadIdx.x % S::LANES);
     __syncthreads();
     const bool slow = bucket.slow();
     if (norm_correction) {
@@ -876,12 +869,7 @@ __device__ __forceinline__ void compress_dense_tiles(
 }  // namespace fq_compress
 
 template <int D, int BITS, typename T>
-__global__ void __launch_bounds__(256) tq_compress_dense(
-    const T* __restrict__ x, const long long sx0, const long long sx1, const long long sx2,
-    const unsigned n1, const unsigned n1_magic, const unsigned n1_shift,
-    const unsigned n2, const unsigned n2_magic, const unsigned n2_shift, const int rows,
-    const float* __restrict__ rotation, const float* __restrict__ boundaries, const float* __restrict__ centroids,
-    const int norm_correction, unsigned char* __restrict__ packed, float* __restrict__ norms) {
+__global__ void __launch_bounds__(256) tq_compress_dense(FQ_COMPRESS_ARGS(rotation)) {
     using namespace fq_compress;
     using S = DenseShape<D, BITS>;
     extern __shared__ float4 dense_smem[];
@@ -896,3 +884,5 @@ __global__ void __launch_bounds__(256) tq_compress_dense(
     compress_dense_tiles<D, BITS, T>(x, sx0, sx1, sx2, un1, un2, static_cast<unsigned>(rows), rotation, bucket,
                                      bucket.slow(), norm_correction != 0, s_csq, smem, packed, norms);
 }
+
+#undef FQ_COMPRESS_ARGS

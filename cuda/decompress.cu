@@ -70,13 +70,7 @@ __device__ __forceinline__ void decompress_rows(
     const int t = threadIdx.x % S::LANES;
     const unsigned slot = threadIdx.x / S::LANES;
     unsigned neg = 0;  // bit e: the Hadamard sign of this thread's coordinate e is negative
-    if constexpr (HADAMARD) {
-#pragma unroll
-        for (int v = 0; v < S::V; ++v)
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-                neg |= (__ldg(signs + (v * S::LANES + t) * 8 + j) < 0.f ? 1u : 0u) << (v * 8 + j);
-    }
+    if constexpr (HADAMARD) neg = fq::negative_sign_bits<S::V, S::LANES>(signs, t);
     __syncthreads();
 
     unsigned g = blockIdx.x;
@@ -124,26 +118,27 @@ __device__ __forceinline__ void decompress_rows(
 
 }  // namespace fq_decompress
 
+// The arguments both kernels take first, in the order kernels/decompress.py passes them (the Hadamard kernel then
+// takes the signs, both the output last).
+#define FQ_DECOMPRESS_ARGS                                                                                      \
+    const unsigned char* __restrict__ packed, const long long sp0, const long long sp1, const long long sp2,    \
+        const float* __restrict__ norms, const long long sn0, const long long sn1, const long long sn2,         \
+        const unsigned n1, const unsigned n1_magic, const unsigned n1_shift, const unsigned n2,                 \
+        const unsigned n2_magic, const unsigned n2_shift, const int rows, const float* __restrict__ centroids
+
 template <int D, int BITS, typename TOUT>
-__global__ void __launch_bounds__(256) tq_dequantize_rotated(
-    const unsigned char* __restrict__ packed, const long long sp0, const long long sp1, const long long sp2,
-    const float* __restrict__ norms, const long long sn0, const long long sn1, const long long sn2,
-    const unsigned n1, const unsigned n1_magic, const unsigned n1_shift,
-    const unsigned n2, const unsigned n2_magic, const unsigned n2_shift, const int rows,
-    const float* __restrict__ centroids, TOUT* __restrict__ out) {
+__global__ void __launch_bounds__(256) tq_dequantize_rotated(FQ_DECOMPRESS_ARGS, TOUT* __restrict__ out) {
     fq_decompress::decompress_rows<D, BITS, TOUT, false>(
         packed, sp0, sp1, sp2, norms, sn0, sn1, sn2, fq::FastDiv{n1, n1_magic, n1_shift},
         fq::FastDiv{n2, n2_magic, n2_shift}, static_cast<unsigned>(rows), centroids, nullptr, out);
 }
 
 template <int D, int BITS, typename TOUT>
-__global__ void __launch_bounds__(256) tq_decompress_hadamard(
-    const unsigned char* __restrict__ packed, const long long sp0, const long long sp1, const long long sp2,
-    const float* __restrict__ norms, const long long sn0, const long long sn1, const long long sn2,
-    const unsigned n1, const unsigned n1_magic, const unsigned n1_shift,
-    const unsigned n2, const unsigned n2_magic, const unsigned n2_shift, const int rows,
-    const float* __restrict__ centroids, const float* __restrict__ signs, TOUT* __restrict__ out) {
+__global__ void __launch_bounds__(256)
+tq_decompress_hadamard(FQ_DECOMPRESS_ARGS, const float* __restrict__ signs, TOUT* __restrict__ out) {
     fq_decompress::decompress_rows<D, BITS, TOUT, true>(
         packed, sp0, sp1, sp2, norms, sn0, sn1, sn2, fq::FastDiv{n1, n1_magic, n1_shift},
         fq::FastDiv{n2, n2_magic, n2_shift}, static_cast<unsigned>(rows), centroids, signs, out);
 }
+
+#undef FQ_DECOMPRESS_ARGS

@@ -395,4 +395,17 @@ struct RowBlock {
     FA_INLINE int lim_hi(int bm) const { return (imin(m0 + bm, rows) - 1) / group + diag; }  // last row's limit
 };
 
+// Causal limits of the rows this lane's accumulator fragments hold (rows mt * 16 + lane / 4 + 8 h of the warp's
+// MT row tiles): tile_step's row_lim.
+template <int MT>
+FA_INLINE void fragment_limits(int (&row_lim)[MT][2], const RowBlock& rb, int warp, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            row_lim[mt][h] = rb.pos(rb.m0 + warp * MT * 16 + mt * 16 + (lane >> 2) + 8 * h) + rb.diag;
+        }
+    }
+}
+
 }  // namespace fa

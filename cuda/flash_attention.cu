@@ -45,11 +45,7 @@ flash_attention_fwd(const fa::u16* __restrict__ q, const fa::u16* __restrict__ k
     const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
     const int lim_lo = rb.lim_lo();
     int row_lim[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) row_lim[mt][h] = rb.pos(rb.m0 + warp * MT * 16 + mt * 16 + (lane >> 2) + 8 * h) + rb.diag;
-    }
+    fragment_limits(row_lim, rb, warp, lane);
 
     // Q tile (rows past the end zero-filled).
 #pragma unroll

@@ -182,7 +182,8 @@ FA_INLINE void init_tables(u32* tabs, const float* k_centroids, const float* v_c
     }
 }
 
-// Q tile of one row block into swizzled shared memory (bf16, rows past the end zero-filled); not committed.
+// Q tile of one row block into swizzled shared memory (bf16, rows past the end zero-filled), as one committed
+// cp.async group.
 template <class C>
 FA_INLINE void load_q_tile(u32 s_q, const u16* q, const RowBlock& rb, int b, int kvh, i64 q_sb, i64 q_sh, i64 q_sl) {
 #pragma unroll
@@ -193,6 +194,7 @@ FA_INLINE void load_q_tile(u32 s_q, const u16* q, const RowBlock& rb, int b, int
         const u16* src = q + b * q_sb + rb.head(r, kvh) * q_sh + rb.pos(r) * q_sl + c * 8;
         cp_async_16(s_q + C::swz(row, c), src, r < rb.rows ? 16 : 0);
     }
+    cp_async_commit();
 }
 
 // Normalised output rows and their LSE into split `split`'s slice of out [splits, B, Hq, Lq, D], lse [..., Lq].
@@ -278,15 +280,10 @@ tq_prefill_kernel(const fa::u16* __restrict__ q, const unsigned char* __restrict
     const int t_begin = n_begin / BN;
     const int lim_lo = rb.lim_lo();
     int row_lim[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) row_lim[mt][h] = rb.pos(rb.m0 + warp * MT * 16 + mt * 16 + (lane >> 2) + 8 * h) + rb.diag;
-    }
+    fragment_limits(row_lim, rb, warp, lane);
 
     const u32 s_q = s_base + OFF_Q;
     load_q_tile<C>(s_q, q, rb, b, kvh, q_sb, q_sh, q_sl);
-    cp_async_commit();
 
     const unsigned char* kp_bh = kp + b * kp_sb + kvh * kp_sh;
     const unsigned char* vp_bh = vp + b * vp_sb + kvh * vp_sh;
@@ -479,12 +476,12 @@ tq_prefill_cluster_kernel(const fa::u16* __restrict__ q, const unsigned char* __
                                fa::i64 kp_sb, fa::i64 kp_sh, fa::i64 kp_sn, fa::i64 kn_sb, fa::i64 kn_sh, fa::i64 kn_sn,
                                fa::i64 vp_sb, fa::i64 vp_sh, fa::i64 vp_sn, fa::i64 vn_sb, fa::i64 vn_sh, fa::i64 vn_sn,
                                fa::i64 bias_sb, fa::i64 bias_sn, float scale_log2, int causal) {
+    static_assert(CL >= 1 && CL <= 8 && BN % CL == 0, "cluster size: 1..8, dividing BN");
+    static_assert(!QREG, "the cluster kernel keeps Q in shared memory");
     using namespace fa;
     using C = Cfg<D, WARPS, MT, BN, QREG>;
     using PK = Packed<D, KB>;
     using PV = Packed<D, VB>;
-    static_assert(CL >= 1 && CL <= 8 && BN % CL == 0, "cluster size: 1..8, dividing BN");
-    static_assert(!QREG, "the cluster kernel keeps Q in shared memory");
     constexpr int SLICE = BN / CL;              // key rows of a tile this CTA decodes
     constexpr int TK = SLICE * PK::PARTS;       // its K items
     constexpr int TV = SLICE * PV::PARTS;       // its V items
@@ -536,15 +533,10 @@ tq_prefill_cluster_kernel(const fa::u16* __restrict__ q, const unsigned char* __
     const int t_begin = n_begin / BN;
     const int lim_lo = rb.lim_lo();
     int row_lim[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) row_lim[mt][h] = rb.pos(rb.m0 + warp * MT * 16 + mt * 16 + (lane >> 2) + 8 * h) + rb.diag;
-    }
+    fragment_limits(row_lim, rb, warp, lane);
 
     const u32 s_q = s_base + OFF_Q;
     load_q_tile<C>(s_q, q, rb, b, kvh, q_sb, q_sh, q_sl);
-    cp_async_commit();
 
     const unsigned char* kp_bh = kp + b * kp_sb + kvh * kp_sh;
     const unsigned char* vp_bh = vp + b * vp_sb + kvh * vp_sh;

@@ -239,33 +239,20 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // 32-bit registers of two 16-bit values, B column-major 16x8 in two, C/D 16x8 fp32 in four.
 // ---------------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
-                                                  const float (&c)[4]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%10, %11, %12, %13};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-          "f"(c[3]));
-}
-
-__device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
-                                                 const float (&c)[4]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%10, %11, %12, %13};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-          "f"(c[3]));
-}
-
-// mma for the element type T (__half or __nv_bfloat16).
+// mma for the element type T (__half or __nv_bfloat16); FQ_MMA_M16N8K16 writes the instruction for one PTX type.
+#define FQ_MMA_M16N8K16(AB)                                                                                     \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
+                 "{%8, %9}, {%10, %11, %12, %13};"                                                               \
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                                \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),       \
+                   "f"(c[2]), "f"(c[3]))
 template <typename T>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
                                              const float (&c)[4]) {
     static_assert(DType<T>::BYTES == 2, "mma_m16n8k16 takes __half or __nv_bfloat16");
-    if constexpr (DType<T>::IS_HALF) mma_m16n8k16_f16(d, a, b, c); else mma_m16n8k16_bf16(d, a, b, c);
+    if constexpr (DType<T>::IS_HALF) FQ_MMA_M16N8K16("f16"); else FQ_MMA_M16N8K16("bf16");
 }
+#undef FQ_MMA_M16N8K16
 
 // ---------------------------------------------------------------------------------------------------
 // Small integer helpers
@@ -383,6 +370,19 @@ __device__ __forceinline__ void fwht_distributed(float (&y)[E], int t) {
             y[e] = fmaf(sign, y[e], other);
         }
     }
+}
+
+// The Hadamard signs of the coordinates fwht_distributed puts in lane t's y (V chunks of 8): bit v * 8 + j is set
+// where the sign of coordinate (v * LANES + t) * 8 + j is negative.
+template <int V, int LANES>
+__device__ __forceinline__ unsigned negative_sign_bits(const float* __restrict__ signs, int t) {
+    unsigned neg = 0;
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            neg |= (__ldg(signs + (v * LANES + t) * 8 + j) < 0.f ? 1u : 0u) << (v * 8 + j);
+    return neg;
 }
 
 }  // namespace fq

@@ -273,12 +273,8 @@ def _uncenter(
 
 
 def compressed_attention(
-    plan: CompressedPlan,
-    query: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    softcap: float | None = None,
-    is_causal: bool = True,
+    plan: CompressedPlan, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
+    softcap: float | None = None, is_causal: bool = True,
 ) -> torch.Tensor:
     """Attention of ``query`` over everything a TurboQuantLayer holds (sinks, compressed part, window).
 

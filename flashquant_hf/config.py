@@ -15,7 +15,7 @@ import dataclasses
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from .backend import BACKENDS
 from .codebook import SUPPORTED_BITS
@@ -112,9 +112,9 @@ class TurboQuantConfig:
     norm_correction: bool | None = None
     outlier_channels: int | None = None
     key_qjl: bool | None = None
-    rotation: str | None = None
+    rotation: Literal["haar", "hadamard"] | None = None
     seed: int | None = None
-    backend: str | None = None
+    backend: Literal["auto", "cuda", "torch"] | None = None
     # Fields that took a value derived from others (bits -> key/value bits, window, value centring); replace()
     # derives them again from the new settings instead of keeping the old derived value.
     _derived: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)

@@ -11,6 +11,7 @@ layer's decision); nothing in them synchronises with the host.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from . import ops
 from .packing import packed_size
@@ -42,22 +43,10 @@ def _(x, rotation, boundaries, centroids, hadamard_signs, bits, norm_correction,
 
 @torch.library.custom_op(f"{NAMESPACE}::decode_merged", mutates_args=())
 def decode_merged(
-    q_rot: torch.Tensor,
-    k_packed: torch.Tensor,
-    k_norms: torch.Tensor,
-    v_packed: torch.Tensor,
-    v_norms: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    lengths: torch.Tensor,
-    key_bias: torch.Tensor | None,
-    extra_out: torch.Tensor,
-    extra_lse: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    scale: float,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q_rot: Tensor, k_packed: Tensor, k_norms: Tensor, v_packed: Tensor, v_norms: Tensor, k_centroids: Tensor,
+    v_centroids: Tensor, lengths: Tensor, key_bias: Tensor | None, extra_out: Tensor, extra_lse: Tensor, k_bits: int,
+    v_bits: int, scale: float, backend: str,
+) -> tuple[Tensor, Tensor]:
     """See :func:`flashquant_hf.reference.decode_merged.decode_merged`."""
     return ops.decode_merged(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, lengths, key_bias,
                              extra_out, extra_lse, k_bits, v_bits, scale, backend=backend)

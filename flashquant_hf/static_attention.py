@@ -38,11 +38,8 @@ def _exact_bias(layer: StaticTurboQuantLayer, row_bias: torch.Tensor | None, bat
 
 
 def static_decode_attention(
-    layer: StaticTurboQuantLayer,
-    query: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    softcap: float | None = None,
+    layer: StaticTurboQuantLayer, query: torch.Tensor, attention_mask: torch.Tensor | None,
+    scaling: float | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over everything ``layer`` holds.
 

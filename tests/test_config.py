@@ -184,3 +184,16 @@ def test_unknown_cache_setting_names_the_cache_and_lists_the_fields():
         message = str(info.value)
         assert message.startswith("TurboQuantCache() got unknown setting(s) ['foo']")
         assert all(f"'{name}'" in message for name in field_names())
+
+
+def test_string_fields_are_typed_with_the_values_they_accept():
+    """The Literal types of `rotation` and `backend` list exactly what validation accepts."""
+    import typing
+
+    from flashquant_hf.backend import BACKENDS
+    from flashquant_hf.rotation import ROTATIONS
+
+    hints = typing.get_type_hints(TurboQuantConfig)
+    for name, allowed in (("rotation", ROTATIONS), ("backend", BACKENDS)):
+        literal, none = typing.get_args(hints[name])
+        assert none is type(None) and typing.get_args(literal) == allowed, name

@@ -106,6 +106,7 @@ def test_merge_of_only_empty_splits_is_zero_with_neg_inf_lse(gen):
     ("tq_decode", "tq_decode"),
     ("tq_prefill", "tq_prefill"),
     ("paged_decode", "paged_decode"),
+    ("decode_merged", "decode_merged"),
     ("merge_partials", "merge_partials"),
     ("flash_attention", "flash_attention"),
     ("compress", "compress"),

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from ..codebook import SUPPORTED_BITS
 from ..packing import packed_size
@@ -209,30 +210,18 @@ def _check_compress_inputs(
 
 
 def compress(
-    x: torch.Tensor,
-    rotation: torch.Tensor,
-    boundaries: torch.Tensor,
-    bits: int,
-    centroids: torch.Tensor | None = None,
-    norm_correction: bool = False,
-    hadamard_signs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compress head vectors on the GPU (see :func:`flashquant_hf.reference.compress.compress`).
+    x: Tensor, rotation: Tensor, boundaries: Tensor, bits: int, centroids: Tensor | None = None,
+    norm_correction: bool = False, hadamard_signs: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Compress head vectors on the GPU: the contract of :func:`flashquant_hf.reference.compress.compress`, for
+    these inputs.
 
     Parameters
     ----------
-    x : shape [..., D], fp16/bf16/fp32 CUDA tensor; any strides with a contiguous last dimension
-    rotation : shape [D, D] fp32, rows rotate as ``x @ rotation.T``
-    boundaries : shape [2^bits - 1] fp32, sorted
+    x : fp16/bf16/fp32 CUDA tensor of shape [..., D]; any strides with a contiguous last dimension
     bits : 2, 3 or 4 (:func:`unsupported` for the others)
-    centroids : shape [2^bits] fp32; required for ``norm_correction``
-    norm_correction : store ``||x|| / ||centroids[idx]||``
-    hadamard_signs : shape [D] fp32, the signs ``s`` of ``rotation = H diag(s) / sqrt(D)``: selects the fast
-        Walsh-Hadamard path
-
-    Returns
-    -------
-    packed : uint8 shape [..., ceil(D*bits/8)]; norms : fp32 shape [...]
+    hadamard_signs : the signs ``s`` of ``rotation = H diag(s) / sqrt(D)``: selects the fast Walsh-Hadamard path
+    rotation, boundaries, centroids, norm_correction : as for the reference
 
     >>> packed, norms = compress(x, pi, boundaries, 4)  # doctest: +SKIP
     """

@@ -6,6 +6,7 @@ CUDA graph can capture it."""
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from . import checks, tq_attention
 from .decode_launch import check_codebooks
@@ -21,21 +22,10 @@ def unsupported(k_bits: int, v_bits: int, head_dim: int) -> str | None:
 
 
 def decode_merged(
-    q_rot: torch.Tensor,
-    k_packed: torch.Tensor,
-    k_norms: torch.Tensor,
-    v_packed: torch.Tensor,
-    v_norms: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    lengths: torch.Tensor,
-    key_bias: torch.Tensor | None,
-    extra_out: torch.Tensor,
-    extra_lse: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q_rot: Tensor, k_packed: Tensor, k_norms: Tensor, v_packed: Tensor, v_norms: Tensor, k_centroids: Tensor,
+    v_centroids: Tensor, lengths: Tensor, key_bias: Tensor | None, extra_out: Tensor, extra_lse: Tensor, k_bits: int,
+    v_bits: int, scale: float,
+) -> tuple[Tensor, Tensor]:
     """See :func:`flashquant_hf.reference.decode_merged.decode_merged` (``lengths`` int32 [B] on the device)."""
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)

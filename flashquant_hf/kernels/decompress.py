@@ -13,6 +13,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from ..packing import packed_size
 from . import loader
@@ -112,16 +113,11 @@ def dequantize_rotated(
 
 
 def decompress(
-    packed: torch.Tensor,
-    norms: torch.Tensor,
-    rotation: torch.Tensor,
-    centroids: torch.Tensor,
-    bits: int,
-    head_dim: int,
-    dtype: torch.dtype = torch.float32,
-    hadamard_signs: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reconstruct ``x_hat = norm * centroids[idx] @ rotation`` (see :func:`flashquant_hf.reference.decompress.decompress`).
+    packed: Tensor, norms: Tensor, rotation: Tensor, centroids: Tensor, bits: int, head_dim: int,
+    dtype: torch.dtype = torch.float32, hadamard_signs: Tensor | None = None,
+) -> Tensor:
+    """Reconstruct ``x_hat = norm * centroids[idx] @ rotation`` on the GPU (see
+    :func:`flashquant_hf.reference.decompress.decompress`).
 
     Parameters
     ----------

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from ..paged import BLOCK_SIZES, PagedLayout
 from .decode_launch import (
@@ -44,36 +45,21 @@ def _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size, k_bits
 
 
 def paged_decode(
-    q_rot: torch.Tensor,
-    blocks: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    scale: float,
-    block_size: int,
-    max_seq_len: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K decode of one query token per sequence over the paged store (CUDA).
-
-    Same contract as :func:`flashquant_hf.reference.paged_decode.paged_decode`.
+    q_rot: Tensor, blocks: Tensor, block_table: Tensor, seq_lens: Tensor, k_centroids: Tensor, v_centroids: Tensor,
+    k_bits: int, v_bits: int, scale: float, block_size: int, max_seq_len: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Split-K decode of one query token per sequence over the paged store (CUDA): the contract of
+    :func:`flashquant_hf.reference.paged_decode.paged_decode`, for these inputs.
 
     Parameters
     ----------
-    q_rot : shape [S, Hq, D] fp16/bf16/fp32, already rotated by the key rotation; D in {64, 128, 256}
-    blocks : uint8 shape [num_blocks, H_kv, PagedLayout.head_block_bytes], one layer of
+    q_rot : fp16/bf16/fp32 shape [S, Hq, D]; D in {64, 128, 256}
+    blocks : shape [num_blocks, H_kv, PagedLayout.head_block_bytes], one layer of
         :class:`flashquant_hf.paged.PagedTQCache`
-    block_table : int32 shape [S, max_blocks]; seq_lens : int32 shape [S]
-    k_centroids, v_centroids : fp32 shape [2^k_bits], [2^v_bits]; k_bits, v_bits in 1..4
+    k_bits, v_bits : 1 to 4
     max_seq_len : host-side upper bound of ``seq_lens`` used to plan the splits (default: read from the device,
         one synchronisation). Keys beyond it are not attended, so it must not be smaller than the true maximum.
-
-    Returns
-    -------
-    out_rot : fp32 shape [S, Hq, D] (value-rotated space); lse : fp32 shape [S, Hq] natural log (-inf, out 0 for
-    an empty sequence)
+    block_table, seq_lens, k_centroids, v_centroids, scale, block_size : as for the reference
     """
     scale = float(scale)
     signature = None

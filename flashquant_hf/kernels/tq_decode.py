@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from . import checks
 from ..packing import packed_size
@@ -51,36 +52,19 @@ def check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_b
 
 
 def tq_decode(
-    q_rot: torch.Tensor,
-    k_packed: torch.Tensor,
-    k_norms: torch.Tensor,
-    v_packed: torch.Tensor,
-    v_norms: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    scale: float,
-    causal: bool = False,
-    key_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K decode over the contiguous layout (CUDA); the ``tq_attention`` contract for ``Lq == 1``.
+    q_rot: Tensor, k_packed: Tensor, k_norms: Tensor, v_packed: Tensor, v_norms: Tensor, k_centroids: Tensor,
+    v_centroids: Tensor, k_bits: int, v_bits: int, scale: float, causal: bool = False, key_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Split-K decode over the contiguous layout (CUDA): the contract of
+    :func:`flashquant_hf.reference.tq_decode.tq_decode` (``tq_attention`` for ``Lq == 1``), for these inputs.
 
     Parameters
     ----------
-    q_rot : shape [B, Hq, 1, D] fp16/bf16/fp32, already ``q @ Pi_K.T``; D in {64, 128, 256}
-    k_packed, v_packed : uint8 shape [B, H_kv, N, ceil(D * bits / 8)] (views of a larger capacity buffer are fine:
-        element strides; rows aligned as :func:`~flashquant_hf.kernels.decode_launch.slice_alignment` says)
-    k_norms, v_norms : fp32 shape [B, H_kv, N]
-    k_centroids, v_centroids : fp32 shape [2^k_bits], [2^v_bits]; k_bits, v_bits in 1..4
-    scale : softmax scale
-    causal : ignored: with one query token the bottom-right aligned mask hides nothing
-    key_bias : optional fp32 shape [B, N] added to every score of key j (0 or -inf for padding)
-
-    Returns
-    -------
-    out_rot : fp32 shape [B, Hq, 1, D] (value-rotated space); lse : fp32 shape [B, Hq, 1] natural log, -inf (and
-    out 0) where no key is visible
+    q_rot : fp16/bf16/fp32 shape [B, Hq, 1, D]; D in {64, 128, 256}
+    k_packed, v_packed : views of a larger capacity buffer are read in place (element strides); rows aligned as
+        :func:`~flashquant_hf.kernels.decode_launch.slice_alignment` says
+    k_bits, v_bits : 1 to 4
+    k_norms, v_norms, k_centroids, v_centroids, scale, causal, key_bias : as for the reference
     """
     scale = float(scale)
     signature = call_signature("tq_decode", (q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids,

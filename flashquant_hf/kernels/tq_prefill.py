@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from . import checks, loader, merge_partials
 from .flash_attention import MAX_GRID_YZ, TileConfig, aligned_rows, as_aligned, check_heads_grid_scale
@@ -396,36 +397,19 @@ def _run(config, q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_cen
 
 
 def tq_prefill(
-    q_rot: torch.Tensor,
-    k_packed: torch.Tensor,
-    k_norms: torch.Tensor,
-    v_packed: torch.Tensor,
-    v_norms: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    scale: float,
-    causal: bool = False,
-    key_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused FlashAttention-2 over compressed K/V (CUDA); the ``tq_attention`` contract for any ``Lq >= 1``.
+    q_rot: Tensor, k_packed: Tensor, k_norms: Tensor, v_packed: Tensor, v_norms: Tensor, k_centroids: Tensor,
+    v_centroids: Tensor, k_bits: int, v_bits: int, scale: float, causal: bool = False, key_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Fused FlashAttention-2 over compressed K/V (CUDA): the contract of
+    :func:`flashquant_hf.reference.tq_attention.tq_attention` for any ``Lq >= 1``, for these inputs.
 
     Parameters
     ----------
-    q_rot : fp16/bf16/fp32 shape [B, Hq, Lq, D], already ``q @ Pi_K.T``; D in {64, 128, 256} (converted to bf16)
-    k_packed, v_packed : uint8 shape [B, H_kv, N, ceil(D*bits/8)] (views ``[:, :, :N]`` of a larger capacity
-        buffer are read in place)
-    k_norms, v_norms : fp32 shape [B, H_kv, N]
-    k_centroids, v_centroids : fp32 shape [2^bits]; k_bits, v_bits in {2, 3, 4}
-    scale : positive softmax scale applied to q.k
-    causal : bottom-right aligned (query i sees key j iff j <= N - Lq + i)
-    key_bias : optional fp32 shape [B, N] added to every score of key j (0 or -inf for padding)
-
-    Returns
-    -------
-    out_rot : fp32 shape [B, Hq, Lq, D] in value-rotated space (multiply by ``Pi_V`` to leave it)
-    lse : fp32 shape [B, Hq, Lq], natural log-sum-exp of the scaled scores (-inf, and out 0, where no key is visible)
+    q_rot : fp16/bf16/fp32 shape [B, Hq, Lq, D]; D in {64, 128, 256} (converted to bf16)
+    k_packed, v_packed : views ``[:, :, :N]`` of a larger capacity buffer are read in place
+    k_bits, v_bits : 2, 3 or 4
+    scale : positive
+    k_norms, v_norms, k_centroids, v_centroids, causal, key_bias : as for the reference
 
     >>> out_rot, lse = tq_prefill(q_rot, kp, kn, vp, vn, kc, vc, 4, 4, 128 ** -0.5, causal=True)
     """

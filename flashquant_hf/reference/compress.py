@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..packing import pack_indices
 
 
 def compress(
-    x: torch.Tensor,
-    rotation: torch.Tensor,
-    boundaries: torch.Tensor,
-    bits: int,
-    centroids: torch.Tensor | None = None,
-    norm_correction: bool = False,
-    hadamard_signs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: Tensor, rotation: Tensor, boundaries: Tensor, bits: int, centroids: Tensor | None = None,
+    norm_correction: bool = False, hadamard_signs: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Compress head vectors.
 
     Parameters

@@ -4,27 +4,17 @@ is a device tensor, merged with one more partial result (the exact sinks and win
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .merge_partials import merge_partials
 from .tq_attention import tq_attention
 
 
 def decode_merged(
-    q_rot: torch.Tensor,
-    k_packed: torch.Tensor,
-    k_norms: torch.Tensor,
-    v_packed: torch.Tensor,
-    v_norms: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    lengths: torch.Tensor,
-    key_bias: torch.Tensor | None,
-    extra_out: torch.Tensor,
-    extra_lse: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q_rot: Tensor, k_packed: Tensor, k_norms: Tensor, v_packed: Tensor, v_norms: Tensor, k_centroids: Tensor,
+    v_centroids: Tensor, lengths: Tensor, key_bias: Tensor | None, extra_out: Tensor, extra_lse: Tensor, k_bits: int,
+    v_bits: int, scale: float,
+) -> tuple[Tensor, Tensor]:
     """Attention of ``q_rot`` over the first ``lengths[b]`` keys of each sequence, merged with ``(extra_out,
     extra_lse)``.
 

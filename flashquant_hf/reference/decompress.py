@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..packing import unpack_indices
 
 
 def decompress(
-    packed: torch.Tensor,
-    norms: torch.Tensor,
-    rotation: torch.Tensor,
-    centroids: torch.Tensor,
-    bits: int,
-    head_dim: int,
-    dtype: torch.dtype = torch.float32,
-    hadamard_signs: torch.Tensor | None = None,
-) -> torch.Tensor:
+    packed: Tensor, norms: Tensor, rotation: Tensor, centroids: Tensor, bits: int, head_dim: int,
+    dtype: torch.dtype = torch.float32, hadamard_signs: Tensor | None = None,
+) -> Tensor:
     """Reconstruct ``x_hat = norm * centroids[idx] @ rotation``.
 
     ``hadamard_signs``: see :func:`flashquant_hf.reference.compress.compress` (ignored here).

@@ -4,24 +4,16 @@ contiguous layout and run the reference ``tq_attention`` (so paged == contiguous
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..paged import PagedLayout
 from .tq_attention import tq_attention
 
 
 def paged_decode(
-    q_rot: torch.Tensor,
-    blocks: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    scale: float,
-    block_size: int,
-    max_seq_len: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q_rot: Tensor, blocks: Tensor, block_table: Tensor, seq_lens: Tensor, k_centroids: Tensor, v_centroids: Tensor,
+    k_bits: int, v_bits: int, scale: float, block_size: int, max_seq_len: int | None = None,
+) -> tuple[Tensor, Tensor]:
     """One query token per sequence over its paged, compressed keys and values (rotated space).
 
     Parameters

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .decompress import dequantize_rotated
 
@@ -14,19 +15,9 @@ def causal_keep(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
 
 
 def tq_attention(
-    q_rot: torch.Tensor,
-    k_packed: torch.Tensor,
-    k_norms: torch.Tensor,
-    v_packed: torch.Tensor,
-    v_norms: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    scale: float,
-    causal: bool = False,
-    key_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q_rot: Tensor, k_packed: Tensor, k_norms: Tensor, v_packed: Tensor, v_norms: Tensor, k_centroids: Tensor,
+    v_centroids: Tensor, k_bits: int, v_bits: int, scale: float, causal: bool = False, key_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Softmax attention over compressed keys/values, never leaving rotated space.
 
     Parameters

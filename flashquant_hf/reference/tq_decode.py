@@ -4,36 +4,18 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .tq_attention import tq_attention
 
 
 def tq_decode(
-    q_rot: torch.Tensor,
-    k_packed: torch.Tensor,
-    k_norms: torch.Tensor,
-    v_packed: torch.Tensor,
-    v_norms: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    scale: float,
-    causal: bool = False,
-    key_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`flashquant_hf.reference.tq_attention.tq_attention` for ``Lq == 1``.
-
-    Parameters
-    ----------
-    q_rot : shape [B, Hq, 1, D], already ``q @ Pi_K.T``
-    k_packed, v_packed, k_norms, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale, key_bias : as for
-        ``tq_attention``
-    causal : ignored: with one query token the bottom-right aligned mask hides nothing
-
-    Returns
-    -------
-    out_rot : fp32 shape [B, Hq, 1, D]; lse : fp32 shape [B, Hq, 1]
+    q_rot: Tensor, k_packed: Tensor, k_norms: Tensor, v_packed: Tensor, v_norms: Tensor, k_centroids: Tensor,
+    v_centroids: Tensor, k_bits: int, v_bits: int, scale: float, causal: bool = False, key_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`flashquant_hf.reference.tq_attention.tq_attention` for ``Lq == 1``: same parameters, ``q_rot`` of shape
+    [B, Hq, 1, D], results of shape [B, Hq, 1, D] and [B, Hq, 1]. ``causal`` changes nothing: with one query token
+    the bottom-right aligned mask hides nothing.
 
     >>> out_rot, lse = tq_decode(q_rot, kp, kn, vp, vn, kc, vc, 4, 4, 128 ** -0.5)  # doctest: +SKIP
     """
