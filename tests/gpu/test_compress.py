@@ -402,7 +402,8 @@ def test_compress_into_out_of_range_start_writes_nothing(backend, poison):
     head_dim, bits, slots, n = 128, 4, 40, 16
     rotation, signs = _rotation("hadamard", head_dim, 2)
     centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
-    x = torch.randn(2, 4, n, head_dim, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    x = torch.randn(2, 4, n, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
     for first in (-1, slots - n + 1, 10**12):
         packed, norms = _store((2, 4), slots, head_dim, bits, poison)
         start = torch.tensor([first], device="cuda")
@@ -426,7 +427,8 @@ def test_compress_into_replays_in_a_cuda_graph_at_the_counters_offset(poison):
     x = torch.empty(2, 4, n, head_dim, device="cuda", dtype=torch.bfloat16)
     packed, norms = _store((2, 4), slots, head_dim, bits, poison)
     start = torch.zeros((), dtype=torch.int64, device="cuda")
-    kc.compress_into(x.normal_(), rotation, boundaries, bits, packed, norms, start, centroids, True, signs)  # compile
+    kc.compress_into(x.normal_(generator=gen), rotation, boundaries, bits, packed, norms, start, centroids, True,
+                     signs)  # compiles the kernel outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -447,10 +449,11 @@ def test_compress_into_through_ops_and_the_custom_op(poison):
     """The "cuda" backend's `ops.compress_into` and `flashquant::compress_into` run the kernel (bit for bit the
     wrapper's result); head_dim 96 has no kernel and runs the reference on the GPU."""
     bits, slots, n = 4, 50, 8
+    gen = torch.Generator(device="cuda").manual_seed(13)
     for head_dim in (128, 96):
         rotation = random_rotation(head_dim, 1, device="cuda")
         centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
-        x = torch.randn(2, 2, n, head_dim, device="cuda")
+        x = torch.randn(2, 2, n, head_dim, device="cuda", generator=gen)
         start = torch.tensor(21, device="cuda")
         via_ops, via_op, want = (_store((2, 2), slots, head_dim, bits, poison) for _ in range(3))
         ops.compress_into(x, rotation, boundaries, bits, *via_ops, start, centroids, backend="cuda")
@@ -480,8 +483,24 @@ def test_compress_into_bad_stores_raise(overrides, match, poison):
     packed, norms = _store((4, 4), 30, head_dim, bits, poison)
     into = dict(packed=packed, norms=norms, start=torch.tensor(3, device="cuda"))
     into.update(overrides(packed, norms))
-    x = torch.randn(4, 4, 5, head_dim, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 4, 5, head_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(14))
+    x = x.to(torch.bfloat16)
     with pytest.raises(ValueError, match=match):
         kc.compress_into(x, args["rotation"], args["boundaries"], bits, into["packed"], into["norms"], into["start"],
                          args["centroids"], False, args["hadamard_signs"])
     assert (packed == 0xAB).all() and norms.isnan().all()
+
+
+def test_compress_into_opcheck_on_the_kernel_path():
+    """torch.library's checks of `flashquant::compress_into` with the kernel behind it: declared mutations, the fake
+    under FakeTensor, AOT dispatch (what torch.compile runs)."""
+    head_dim, bits = 128, 4
+    rotation, signs = _rotation("hadamard", head_dim, 8)
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    x = torch.randn(2, 4, 16, head_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(15))
+    x = x.to(torch.bfloat16)
+    packed = torch.zeros(2, 4, 40, packed_size(head_dim, bits), dtype=torch.uint8, device="cuda")
+    norms = torch.zeros(2, 4, 40, device="cuda")
+    torch.library.opcheck(torch.ops.flashquant.compress_into.default,
+                          (x, rotation, boundaries, centroids, signs, bits, True, "cuda", packed, norms,
+                           torch.tensor(7, device="cuda")))
