@@ -22,6 +22,7 @@ host time per call (fast cached launch vs CuPy's launch).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 import torch
@@ -127,15 +128,18 @@ def _back_to_back_ms(fn_of_set, sets):
     return event_ms(fn_of_set, sets, calls=B2B_CALLS, reps=25, spin=False)
 
 
-def _cpu_us_per_call(fn_of_set, sets, calls=200):
-    """Host time to enqueue one call (nothing waits on the GPU inside the loop)."""
+def _cpu_us_per_call(fn_of_set, sets, calls=B2B_CALLS, rounds=15):
+    """Host time to enqueue one call: median over rounds of ``calls`` calls back to back (what an eager model issues
+    per step), the stream drained between rounds so that no round waits on a full launch queue."""
+    per_call = []
+    for r in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn_of_set(sets[(r * calls + i) % len(sets)])
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(calls):
-        fn_of_set(sets[i % len(sets)])
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    return statistics.median(per_call)
 
 
 def _sdpa_ms(batch, keys, dev):

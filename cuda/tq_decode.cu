@@ -39,7 +39,8 @@
 //   FQD_HEAD_SLOTS     8 (default), 4   query heads per CTA; 4 for GQA groups of at most 4 heads (the paired build)
 //   FQD_PAGED_LOG2_BS  3, 4, 5, 6       paged builds (MODE 2): log2 of the paged block size, so the page arithmetic
 //                                       is constant shifts; the contiguous modes ignore it
-//   FQD_TMA_TILES      0 (default), 1   staged tiles: paged blocks of 16 keys, 8 warps, compute capability 9.x
+//   FQD_TMA_TILES      0 (default), 1   staged tiles, 8 warps, compute capability 9.x: paged blocks of 16 keys, or
+//                                       the contiguous layout (MODE 0) with packed rows and 16-byte aligned runs
 
 #include "decode_codes.cuh"
 #include "fast_math.cuh"
@@ -71,17 +72,20 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 #define FQD_PAGED_LOG2_BS 0
 #endif
 
-// Paged builds for blocks of 16 keys on sm_90 (8 warps): each 16-key tile (one block's 16 (D + 8) bytes of a head)
-// reaches shared memory by one bulk copy of the copy engine, two tiles ahead per warp, and the lanes read their
-// fragments from there, instead of ten register loads per lane and an L2 prefetch (see load_staged).
+// Staged tiles on sm_90 (8 warps): each 16-key tile reaches shared memory by the copy engine, two tiles ahead per warp,
+// and the lanes read their fragments from there (see load_staged) instead of ten register loads per lane. A paged
+// block of 16 keys is one run of bytes (one bulk copy); the contiguous layout (MODE 0) copies its four runs (key
+// codes, key norms, value codes, value norms of the tile's keys) into the same stage layout. The host builds the
+// contiguous variant only where rows are packed and every (sequence, head) run starts 16-byte aligned.
 #ifndef FQD_TMA_TILES
 #define FQD_TMA_TILES 0
 #endif
 
-// Whether an instantiation stages its tiles: FQD_TMA_TILES applies to the paged 8-warp kernels for blocks of 16 keys.
+// Whether an instantiation stages its tiles: FQD_TMA_TILES applies to the 8-warp kernels of the paged layout with
+// blocks of 16 keys and of the contiguous layout without key_bias.
 template <int MODE, int W>
 __host__ __device__ constexpr bool staged_tiles() {
-  return FQD_TMA_TILES && MODE == kPaged && FQD_PAGED_LOG2_BS == 4 && W == 8;
+  return FQD_TMA_TILES && W == 8 && ((MODE == kPaged && FQD_PAGED_LOG2_BS == 4) || MODE == kContiguous);
 }
 
 // How far (log2 units) a score may exceed the running max before the accumulators are rescaled to it (bf16 P V only:
@@ -851,11 +855,26 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   constexpr bool kSplitLoads = MODE != kPaged;
   constexpr int kAhead = kSplitLoads ? kPartV : kPartKV;  // what is loaded for chunk c + kWarps when c starts
   Tile<T> bufa[T::kTiles], bufb[T::kTiles];
-  // Bulk-copied tiles: the block of chunk c (a chunk is one tile, a tile one block here) from this head's slice.
+  // Bulk-copied tiles (a chunk is one tile here), issued by lane 0. Paged: the block of chunk c from this head's
+  // slice. Contiguous: the tile's four runs, from lane 0's bases (its lane offsets are 0); the sequence's last tile,
+  // when partial, is not copied (rows past the end may not exist) but read from global memory by the loop.
   const unsigned char* const tile_src = k_idx + h * kStageBytes;
   auto copy_tile = [&](int chunk, int slot) {
-    const u32 page = kv.pages[(tile_at(chunk, 0) >> 4) - kv.page0];
-    bulk_copy(stage + slot * kStageBytes, at(tile_src, page, kv.page_stride), kStageBytes, stage_bar + slot);
+    const int ts = tile_at(chunk, 0);
+    unsigned char* const dst = stage + slot * kStageBytes;
+    if constexpr (MODE == kPaged) {
+      const u32 page = kv.pages[(ts >> 4) - kv.page0];
+      bulk_copy(dst, at(tile_src, page, kv.page_stride), kStageBytes, stage_bar + slot);
+    } else {
+      if (ts + 15 > last) return;
+      barrier_expect(stage_bar + slot, kStageBytes);
+      unsigned char* const dst_kn = dst + 16 * T::kKRow;
+      unsigned char* const dst_v = dst_kn + 64;
+      bulk_copy_counted(dst, at(kv.k, ts, T::kKRow), 16 * T::kKRow, stage_bar + slot);
+      bulk_copy_counted(dst_kn, at(kv.kn, ts, 4), 64, stage_bar + slot);
+      bulk_copy_counted(dst_v, at(kv.v, ts, T::kVRow), 16 * T::kVRow, stage_bar + slot);
+      bulk_copy_counted(dst_v + 16 * T::kVRow, at(kv.vn, ts, 4), 64, stage_bar + slot);
+    }
   };
   // The first tiles are in flight during the prologue (the paged layout reads their block ids from the global
   // block table, see above).
@@ -872,7 +891,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
 #pragma unroll
     for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartKV>(bufa[j], tile_at(c, j), last);
   }
-  if (kSplitLoads && c + kWarps < nchunks) {
+  if (!kTma && kSplitLoads && c + kWarps < nchunks) {
 #pragma unroll
     for (int j = 0; j < T::kTiles; ++j) kv.template load<kPartK>(bufb[j], tile_at(c + kWarps, j), last);
   }
@@ -981,8 +1000,12 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     // every lane has its registers.
     for (int i = 0; c < nchunks; ++i, c += kWarps) {
       const int slot = i & 1;
-      barrier_wait(stage_bar + slot, (i >> 1) & 1);
-      load_staged<T>(bufa[0], stage + slot * kStageBytes, tile_at(c, 0), last);
+      if (MODE != kPaged && tile_at(c, 0) + 15 > last) {  // the partial last tile (never copied, see copy_tile)
+        kv.template load<kPartKV>(bufa[0], tile_at(c, 0), last);
+      } else {
+        barrier_wait(stage_bar + slot, (i >> 1) & 1);
+        load_staged<T>(bufa[0], stage + slot * kStageBytes, tile_at(c, 0), last);
+      }
       __syncwarp();
       if (lane == 0 && c + 2 * kWarps < nchunks) copy_tile(c + 2 * kWarps, slot);
       if (prefetch > 0 && c + (2 + prefetch) * kWarps < nchunks)

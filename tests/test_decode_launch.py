@@ -92,7 +92,8 @@ def test_build_options_per_block_size_and_staged_tiles(capability, log2_bs, head
 
 def test_builds_hold_every_launch_build():
     """BUILDS (what tests/test_cuda_compile.py compiles) hold the build of every launch on sm_80 and sm_90: both
-    head-slot counts, every block size, staged tiles only for blocks of 16 at head_dim <= 128."""
+    head-slot counts, every block size, contiguous runs staged or not; staged tiles only on sm_90 for blocks of 16
+    and the contiguous layout without key_bias, at head_dim <= 128."""
     builds = {options: set(names) for options, names in dl.BUILDS}
     for capability in (8, 9):
         for heads in (4, 8):
@@ -100,10 +101,14 @@ def test_builds_hold_every_launch_build():
                                 (dl.MODE_PAGED, [3, 4, 5, 6])):
                 for log2_bs in sizes:
                     for head_dim in dl.HEAD_DIMS:
-                        names = builds[dl.build_options(mode, heads, log2_bs, head_dim, capability)]
-                        assert {dl.kernel_name(head_dim, kind, mode) for kind in (0, 1, 2)} <= names
+                        for runs_staged in (False, True):
+                            options = dl.build_options(mode, heads, log2_bs, head_dim, capability, runs_staged)
+                            assert {dl.kernel_name(head_dim, kind, mode) for kind in (0, 1, 2)} <= builds[options]
+                            stageable = log2_bs == 4 if mode == dl.MODE_PAGED else (
+                                mode == dl.MODE_CONTIGUOUS and runs_staged)
+                            assert (dl.TMA_OPTION in options) == (capability == 9 and head_dim <= 128 and stageable)
     staged = {options: names for options, names in builds.items() if dl.TMA_OPTION in options}
-    assert len(staged) == 2 and all("<256," not in " ".join(names) for names in staged.values())
+    assert len(staged) == 4 and all("<256," not in " ".join(names) for names in staged.values())
     assert all(len([n for n in names if n.endswith(", 4, 4>")]) == 6 for names in staged.values())
 
 
@@ -152,3 +157,15 @@ def test_tq_attention_routes_every_decode_width_to_a_kernel():
             assert (chunk is None) == (1 not in (k_bits, v_bits)), (k_bits, v_bits)
     assert "head_dim 96" in ta.unsupported(4, 4, 1, 96)
     assert "k_bits=1" in ta.unsupported(1, 2, 16, 64)
+
+
+@pytest.mark.parametrize("head_dim, k_bits, v_bits, staged", [
+    (128, 3, 3, True), (128, 4, 3, True), (128, 3, 4, False), (64, 3, 2, True), (64, 2, 2, True),
+    (128, 4, 4, False), (128, 3, 2, False), (128, 2, 2, False), (64, 4, 4, False), (256, 3, 3, False),
+])
+def test_contiguous_staging_follows_the_narrowest_register_piece(head_dim, k_bits, v_bits, staged):
+    """The contiguous layout stages its tiles exactly where a lane's key quarter or value slice would be loaded in
+    pieces under STAGED_BELOW_PIECE bytes."""
+    pieces = (dl.slice_alignment(head_dim, k_bits, keys=True), dl.slice_alignment(head_dim, v_bits, keys=False))
+    assert (min(pieces) < dl.STAGED_BELOW_PIECE) == staged
+    assert dl.contiguous_staging_pays(head_dim, k_bits, v_bits) == staged

@@ -79,9 +79,11 @@ HEADS_PER_CTA = 8  # the n = 8 head slots of one mma tile
 # GQA <= 4 runs the build whose mma columns are (head, half of the contraction / output dims) pairs, 4 head slots per
 # CTA (every lane scores a served head; half the O^T accumulator registers).
 PAIRED_OPTION = "-DFQD_HEAD_SLOTS=4"
-# Paged blocks of 16 keys on sm_90 (8 warps): every tile reaches shared memory by one bulk copy of the copy engine,
-# two tiles ahead per warp, instead of ten register loads per lane plus an L2 prefetch. False gives the register
-# loads of other GPUs (tests compare both on sm_90).
+# Staged tiles on sm_90 (8 warps): every tile reaches shared memory by the copy engine, two tiles ahead per warp,
+# instead of ten register loads per lane (plus an L2 prefetch when paged): paged blocks of 16 keys (one bulk copy per
+# tile), and the contiguous layout without key_bias where rows are packed and each (sequence, head) run is 16-byte
+# aligned (four copies per tile, see contiguous_runs_staged). False gives the register loads of other GPUs (tests
+# compare both on sm_90).
 TMA_TILES = True
 TMA_OPTION = "-DFQD_TMA_TILES=1"
 TMA_PREFETCH_CHUNKS = 0  # L2 prefetch distance beyond the two staged tiles (none: faster without on the H200)
@@ -122,17 +124,43 @@ def block_size_option(log2_block_size: int) -> str:
 
 
 def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: int,
-                  capability_major: int) -> tuple[str, ...]:
+                  capability_major: int, runs_staged: bool = False) -> tuple[str, ...]:
     """NVRTC options of the decode build a launch uses on a GPU of compute capability ``capability_major``.x: the
     paired build for 4 head slots (``heads``), the paged build for its block size, and staged tiles where they apply
-    (see TMA_TILES)."""
+    (see TMA_TILES; ``runs_staged``: a contiguous layout whose runs allow it, :func:`contiguous_runs_staged`)."""
     options = (PAIRED_OPTION,) if heads == 4 else ()
     if mode == MODE_PAGED:
         options += (block_size_option(log2_block_size),)
-        # sm_90 only: the stages need 105 KB of shared memory per CTA at D = 128, more than some later parts allow
-        if TMA_TILES and log2_block_size == 4 and warps_for(head_dim) == 8 and capability_major == 9:
-            options += (TMA_OPTION,)
+    # sm_90 only: the stages need up to 105 KB of shared memory per CTA at D = 128, more than some later parts allow
+    staged = log2_block_size == 4 if mode == MODE_PAGED else mode == MODE_CONTIGUOUS and runs_staged
+    if TMA_TILES and staged and warps_for(head_dim) == 8 and capability_major == 9:
+        options += (TMA_OPTION,)
     return options
+
+
+# The contiguous layout stages its tiles where a lane's register loads would be narrower than this many bytes (e.g.
+# 3-bit codes at head_dim 128: 2-byte value pieces); with wider pieces the tile's four bulk copies cost more than the
+# loads they replace (docs/kernels_decode.md, "Measured and rejected").
+STAGED_BELOW_PIECE = 4
+
+
+def contiguous_staging_pays(head_dim: int, k_bits: int, v_bits: int) -> bool:
+    """Whether staged tiles beat register loads for the contiguous layout at these widths (STAGED_BELOW_PIECE)."""
+    narrowest = min(slice_alignment(head_dim, k_bits, keys=True), slice_alignment(head_dim, v_bits, keys=False))
+    return narrowest < STAGED_BELOW_PIECE
+
+
+def contiguous_runs_staged(tensors: tuple[torch.Tensor, ...], row_bytes: tuple[int, ...]) -> bool:
+    """Whether the contiguous layout's four runs (key codes, key norms, value codes, value norms, each
+    ``[B, H_kv, N, row]``) can be bulk-copied per 16-key tile: rows packed (``row_bytes`` apart) and every (sequence,
+    head) run starting 16-byte aligned."""
+    for t, row in zip(tensors, row_bytes):
+        size = t.element_size()
+        if t.stride(2) * size != row or t.data_ptr() % 16:
+            return False
+        if any(s * size % 16 for s, n in zip(t.stride()[:2], t.shape[:2]) if n > 1):
+            return False
+    return True
 
 
 def _builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
@@ -144,12 +172,14 @@ def _builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
                 sizes = [size.bit_length() - 1 for size in BLOCK_SIZES] if mode == MODE_PAGED else [None]
                 for log2_block_size in sizes:
                     for head_dim in HEAD_DIMS:
-                        options = build_options(mode, heads, log2_block_size, head_dim, capability_major)
-                        names = builds.setdefault(options, [])
-                        for kind in QUERY_KINDS.values():
-                            name = kernel_name(head_dim, kind, mode)
-                            if name not in names:
-                                names.append(name)
+                        for runs_staged in (False, True):
+                            options = build_options(mode, heads, log2_block_size, head_dim, capability_major,
+                                                    runs_staged)
+                            names = builds.setdefault(options, [])
+                            for kind in QUERY_KINDS.values():
+                                name = kernel_name(head_dim, kind, mode)
+                                if name not in names:
+                                    names.append(name)
     return tuple((options, tuple(names)) for options, names in builds.items())
 
 
@@ -168,7 +198,8 @@ def _width_builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
     staged = (PAIRED_OPTION, block_size_option(4), TMA_OPTION)
     return (((), names(MODE_CONTIGUOUS, HEAD_DIMS)),
             ((block_size_option(4),), names(MODE_PAGED, HEAD_DIMS)),
-            (staged, names(MODE_PAGED, (64, 128))))
+            (staged, names(MODE_PAGED, (64, 128))),
+            ((PAIRED_OPTION, TMA_OPTION), names(MODE_CONTIGUOUS, (64, 128))))
 
 
 def _merged(*groups: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]):
@@ -186,8 +217,8 @@ BUILDS = _merged(_builds(), _width_builds())
 
 def staged_tile_bytes(options: tuple[str, ...], head_dim: int, warps: int, k_bits: int = 4, v_bits: int = 4) -> int:
     """Shared memory of the bulk-copied tile stages (two 16-key tiles and their barriers per warp) in builds with
-    ``-DFQD_TMA_TILES=1`` for blocks of 16 keys (the kernel stages only those), else 0."""
-    if TMA_OPTION not in options or block_size_option(4) not in options or warps != 8:
+    ``-DFQD_TMA_TILES=1`` (8-warp kernels), else 0."""
+    if TMA_OPTION not in options or warps != 8:
         return 0
     return warps * 2 * (16 * token_bytes(head_dim, k_bits, v_bits) + 8)
 
@@ -334,6 +365,7 @@ class _Launch:
     threads: int
     plan: DecodePlan
     prefetch: int  # the kernel's L2 prefetch distance (chunks)
+    options: tuple[str, ...]  # the NVRTC options of the kernel's build
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
@@ -343,6 +375,7 @@ _CACHE_LIMIT = 256
 def clear_caches() -> None:
     """Forget cached plans, workspaces and argument blocks (after changing the tuning constants)."""
     _LAUNCHES.clear()
+    _PREPARED.clear()
     loader.clear_arg_blocks()
     plan_decode.cache_clear()
     _workspace.cache_clear()
@@ -350,8 +383,9 @@ def clear_caches() -> None:
 
 def _launch_for(mode: int, head_dim: int, query_kind: int, bits: tuple[int, int], index: int,
                 units: tuple[int, int, int], rows: int, length: int, log2_block_size: int | None,
-                heads: int) -> _Launch:
-    key = (mode, head_dim, query_kind, bits, index, units, rows, length, log2_block_size, heads, WARPS, SLOT_FACTOR,
+                heads: int, runs_staged: bool = False) -> _Launch:
+    key = (mode, head_dim, query_kind, bits, index, units, rows, length, log2_block_size, heads, runs_staged, WARPS,
+           SLOT_FACTOR,
            FIRST_PLACE_SPEEDUP, FIRST_PLACE_SPEEDUP_8_SLOTS, TMA_TILES, PREFETCH_CHUNKS, TMA_PREFETCH_CHUNKS,
            CONTIGUOUS_PREFETCH_CHUNKS)
     found = _LAUNCHES.get(key)
@@ -359,7 +393,7 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, bits: tuple[int, int]
         return found
     batch, kv_heads, head_groups = units
     warps = warps_for(head_dim)
-    options = build_options(mode, heads, log2_block_size, head_dim, loader.device_capability(index)[0])
+    options = build_options(mode, heads, log2_block_size, head_dim, loader.device_capability(index)[0], runs_staged)
     kernel, ctas_per_sm = _prepared_kernel(kernel_name(head_dim, query_kind, mode, *bits, warps), index, options)
     slots = max(1, int(_sm_count(index) * ctas_per_sm * SLOT_FACTOR))
     plan = plan_decode(batch * kv_heads * head_groups, length, head_dim, slots, log2_block_size, lut_bytes(*bits))
@@ -372,11 +406,12 @@ def _launch_for(mode: int, head_dim: int, query_kind: int, bits: tuple[int, int]
     merge, merge_ptr = None, 0
     if plan.splits > 1:
         merge, merge_ptr = merge_partials.merge_kernel(head_dim, index, plan.splits)
-    if mode != MODE_PAGED:
-        prefetch = CONTIGUOUS_PREFETCH_CHUNKS
+    if TMA_OPTION in options:
+        prefetch = TMA_PREFETCH_CHUNKS
     else:
-        prefetch = TMA_PREFETCH_CHUNKS if TMA_OPTION in options else PREFETCH_CHUNKS
-    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, prefetch)
+        prefetch = PREFETCH_CHUNKS if mode == MODE_PAGED else CONTIGUOUS_PREFETCH_CHUNKS
+    found = _Launch(kernel, merge, loader.function_ptr(kernel, index), merge_ptr, grid, 32 * warps, plan, prefetch,
+                    options)
     if len(_LAUNCHES) >= _CACHE_LIMIT:
         _LAUNCHES.clear()
     _LAUNCHES[key] = found
@@ -392,12 +427,23 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
     loader.launch_cached(kernel, function, grid, block, args, device_index, shared_mem, FAST_LAUNCH, programmatic)
 
 
+def _decode_args(setup: _Launch, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, group: int,
+                 centroids: tuple[torch.Tensor, torch.Tensor], scale: float, part_out, part_lse, rows: int) -> tuple:
+    """The kernel's arguments in order (tensors where it reads or writes memory)."""
+    i64 = np.int64
+    return (
+        q3, i64(q_strides[0]), i64(q_strides[1]), i64(q_strides[2]), *tensor_args,
+        centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, *setup.plan.kernel_lengths,
+        part_out, part_lse, rows, setup.prefetch,
+    )
+
+
 def run_decode(
     mode: int, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, batch: int, kv_heads: int,
     group: int, max_len: int, centroids: tuple[torch.Tensor, torch.Tensor], bits: tuple[int, int], scale: float,
     out: torch.Tensor, lse: torch.Tensor, log2_block_size: int | None = None,
-    extra: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
+    extra: tuple[torch.Tensor, torch.Tensor] | None = None, runs_staged: bool = False,
+) -> PreparedDecode | None:
     """Plan, launch the decode kernel and (for several splits) the merge into ``out``, ``lse`` (contiguous,
     ``rows x D`` and ``rows`` elements).
 
@@ -409,7 +455,11 @@ def run_decode(
     tensors or ``NULL``, strides as ``np.int64``, ints as int). The grid's units are ``units_shape(batch, H_kv,
     group)``.
     The plan, workspace and argument layout are cached per shape, so repeated calls (every layer of every decode
-    step) only rewrite pointers and launch.
+    step) only rewrite pointers and launch. ``runs_staged``: the contiguous layout's runs may be bulk-copied
+    (:func:`contiguous_runs_staged`).
+
+    Returns, without ``extra`` and with ``FAST_LAUNCH``, the call prepared for reuse (:class:`PreparedDecode`):
+    calls whose arguments differ only in their pointers may launch through it.
     """
     index = q3.device.index
     if index is None:
@@ -418,7 +468,7 @@ def run_decode(
     rows = lse.numel()
     length = -(-max_len // GRANULE) * GRANULE
     setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], bits, index, units_shape(batch, kv_heads, group),
-                        rows, length, log2_block_size, head_slots(group))
+                        rows, length, log2_block_size, head_slots(group), runs_staged)
     plan = setup.plan
     merge, merge_ptr, merged_splits = setup.merge, setup.merge_ptr, plan.splits
     if extra is not None:
@@ -434,16 +484,98 @@ def run_decode(
         # Allocated here, not with the plan: a compiled step (which always passes ``extra``) must not create it
         # inside a CUDA-graph pool that outlives the step.
         part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
-    args = (
-        q3, np.int64(q_strides[0]), np.int64(q_strides[1]), np.int64(q_strides[2]), *tensor_args,
-        centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, *plan.kernel_lengths,
-        part_out, part_lse, rows, setup.prefetch,
-    )
-    launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
+    args = _decode_args(setup, q3, q_strides, tensor_args, group, centroids, scale, part_out, part_lse, rows)
+    merge_args = None
     if merge is not None:
         merge_args = merge_partials.contiguous_merge_args(part_out, part_lse, out, lse, merged_splits, rows, head_dim)
+    if extra is None and FAST_LAUNCH and torch.cuda.current_device() == index:
+        prepared = PreparedDecode.build(setup, args, merge_args, index, (part_out, part_lse) if merge else None)
+        prepared(tuple(a.data_ptr() for a in args[:-4] if isinstance(a, torch.Tensor)), out.data_ptr(),
+                 lse.data_ptr())
+        return prepared
+    launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
+    if merge is not None:
         launch_cached(merge, merge_ptr, merge_partials.merge_grid(rows), merge_partials.MERGE_THREADS, merge_args,
                       index)
+    return None
+
+
+@dataclass(frozen=True)
+class PreparedDecode:
+    """A decode call prepared for reuse: the decode launch and, for several splits, the merge launch, with every
+    argument but the pointers written once (:class:`~flashquant_hf.kernels.loader.PreparedLaunch`). A call passes
+    the addresses of the inputs (the tensors of the decode's arguments before the partial outputs, in order) and
+    of ``out`` and ``lse``."""
+
+    decode: loader.PreparedLaunch
+    merge: loader.PreparedLaunch | None
+    workspace: tuple[torch.Tensor, torch.Tensor] | None  # the partials the merge reads (kept alive here)
+    options: tuple[str, ...]  # the decode build's NVRTC options
+
+    @classmethod
+    def build(cls, setup: _Launch, args: tuple, merge_args: tuple | None, index: int,
+              workspace: tuple[torch.Tensor, torch.Tensor] | None) -> "PreparedDecode":
+        decode = loader.PreparedLaunch(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index,
+                                       setup.plan.shared_mem)
+        merge = None
+        if merge_args is not None:
+            rows = merge_args[-2]
+            merge = loader.PreparedLaunch(setup.merge, setup.merge_ptr, merge_partials.merge_grid(rows),
+                                          merge_partials.MERGE_THREADS, merge_args, index)
+        return cls(decode, merge, workspace, setup.options)
+
+    def __call__(self, inputs: tuple[int, ...], out: int, lse: int) -> None:
+        # Inside a CUDA-graph capture the launches are ordinary ones: the captured graph orders its kernels itself.
+        programmatic = PROGRAMMATIC_LAUNCH and not torch.cuda.is_current_stream_capturing()
+        if self.merge is None:
+            self.decode((*inputs, out, lse), programmatic)
+            return
+        part_out, part_lse = self.workspace[0].data_ptr(), self.workspace[1].data_ptr()
+        self.decode((*inputs, part_out, part_lse), programmatic)
+        self.merge((part_out, part_lse, out, lse), programmatic)
+
+
+@dataclass(frozen=True)
+class PreparedCall:
+    """A wrapper's prepared decode (:class:`PreparedDecode`) with what a reuse must still check per call: the
+    device and the byte alignment of the key and value code addresses (shapes, strides and dtypes are in the
+    signature it is stored under)."""
+
+    launch: PreparedDecode
+    index: int
+    alignment: tuple[int, ...]  # per code / norm address the wrapper checks (bytes)
+
+
+_PREPARED: dict[tuple, PreparedCall] = {}
+
+
+def call_signature(wrapper: str, tensors: tuple, *values: Any) -> tuple | None:
+    """What a decode call's validity and plan depend on besides its pointers: each tensor's shape, strides, dtype
+    and device (None stays None) and the other arguments with their types (``True`` is not ``1``). None when an
+    argument is not a tensor: the wrapper's full checks then name it."""
+    try:
+        metadata = tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    except (AttributeError, TypeError):
+        return None
+    return (wrapper, metadata, values, tuple(map(type, values)))
+
+
+def prepared_call(signature: tuple | None) -> PreparedCall | None:
+    """The call prepared under ``signature``, if it is usable now (torch's current device is its device)."""
+    found = _PREPARED.get(signature) if signature is not None and FAST_LAUNCH else None
+    if found is not None and torch.cuda.current_device() == found.index:
+        return found
+    return None
+
+
+def remember_call(signature: tuple | None, launch: PreparedDecode | None, index: int,
+                  alignment: tuple[int, ...]) -> None:
+    """Keep a checked call's prepared launch for later calls of the same signature."""
+    if signature is None or launch is None:
+        return
+    if len(_PREPARED) >= _CACHE_LIMIT:
+        _PREPARED.clear()
+    _PREPARED[signature] = PreparedCall(launch, index, alignment)
 
 
 def check_query(q_rot: torch.Tensor, rank: int, layout: str) -> None:

@@ -285,6 +285,55 @@ def _block_args(kernel, function: int, args: Sequence[Any], device_index: int, s
     return block_args
 
 
+class PreparedLaunch:
+    """A launch of one kernel whose arguments stay the same from call to call except its pointers: the parameter
+    array holds every value from the first call, and a call rewrites only the pointer slots (one ctypes store each)
+    before launching. For the per-token decode, where the host time of a call is part of its latency.
+
+    ``args`` as for :func:`launch_cached`; its tensors mark the pointer slots, which every call passes as integer
+    addresses in the same order. Not for CUDA-graph capture of programmatic launches (``programmatic`` is decided
+    per call by the caller)."""
+
+    def __init__(self, kernel, function: int, grid: tuple[int, int, int], block: int, args: Sequence[Any],
+                 device_index: int, shared_mem: int = 0) -> None:
+        self.block_args = ArgBlock(args)
+        self.block_args.fill(args)
+        self.slots = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self.words = (ctypes.c_uint64 * len(args)).from_buffer(self.block_args.buffer)
+        self.function, self.grid, self.block, self.shared_mem = function, grid, block, shared_mem
+        self.device_index = device_index
+        if shared_mem > 48 * 1024:
+            import cupy
+
+            with cupy.cuda.Device(device_index):
+                if kernel.max_dynamic_shared_size_bytes < shared_mem:
+                    kernel.max_dynamic_shared_size_bytes = shared_mem
+        # cuLaunchKernelEx and its configuration, built once: a programmatic call only sets the stream
+        driver = _driver()
+        self.programmatic_config = None
+        if driver is not None and device_capability(device_index) >= PROGRAMMATIC_MIN_CAPABILITY:
+            config, reference, _ = _programmatic_config(grid, block, shared_mem, 0, self.block_args)
+            self.programmatic_config = (config, reference, driver.cuLaunchKernelEx)
+
+    def __call__(self, pointers: Sequence[int], programmatic: bool) -> None:
+        """Write ``pointers`` (one address per tensor of the first call's ``args``, in order) and launch on torch's
+        current stream (the device must be torch's current one: the kernel lives in its primary context)."""
+        import cupy
+
+        block_args, words = self.block_args, self.words
+        with block_args.lock:
+            for slot, pointer in zip(self.slots, pointers):
+                words[slot] = pointer
+            stream = _raw_stream(self.device_index)
+            if programmatic and self.programmatic_config is not None:
+                config, reference, launch_ex = self.programmatic_config
+                config.stream = stream
+                if launch_ex(reference, self.function, block_args.address, None) == 0:
+                    return
+            cupy.cuda.driver.launchKernel(self.function, *self.grid, self.block, 1, 1, self.shared_mem, stream,
+                                          block_args.address, 0)
+
+
 def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int, args: Sequence[Any],
                   device_index: int, shared_mem: int = 0, fast: bool = True, programmatic: bool = False) -> None:
     """Launch ``kernel`` (CUfunction ``function``, see :func:`function_ptr`) on torch's current stream of

@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 from ..paged import BLOCK_SIZES, PagedLayout
-from .decode_launch import MODE_PAGED, NULL, check_codebooks, check_query, run_decode
+from .decode_launch import (
+    MODE_PAGED, NULL, call_signature, check_codebooks, check_query, prepared_call, remember_call, run_decode,
+)
 
 
 def _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size, k_bits, v_bits) -> PagedLayout:
@@ -73,6 +75,21 @@ def paged_decode(
     out_rot : fp32 shape [S, Hq, D] (value-rotated space); lse : fp32 shape [S, Hq] natural log (-inf, out 0 for
     an empty sequence)
     """
+    scale = float(scale)
+    signature = None
+    if max_seq_len is not None:  # otherwise the plan follows the lengths read from the device
+        signature = call_signature("paged_decode", (q_rot, blocks, block_table, seq_lens, k_centroids, v_centroids),
+                                   k_bits, v_bits, scale, block_size, max_seq_len)
+    prepared = prepared_call(signature)
+    if prepared is not None:
+        address = blocks.data_ptr()
+        if not address % 16:
+            num_seqs, q_heads, head_dim = q_rot.shape
+            out = torch.empty(num_seqs, q_heads, head_dim, dtype=torch.float32, device=q_rot.device)
+            lse = torch.empty(num_seqs, q_heads, dtype=torch.float32, device=q_rot.device)
+            prepared.launch((q_rot.data_ptr(), address, block_table.data_ptr(), seq_lens.data_ptr(),
+                             k_centroids.data_ptr(), v_centroids.data_ptr()), out.data_ptr(), lse.data_ptr())
+            return out, lse
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     layout = _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size, k_bits, v_bits)
     num_seqs, q_heads, head_dim = q_rot.shape
@@ -95,8 +112,9 @@ def paged_decode(
         block_table, np.int64(block_table.stride(0)), seq_lens,
         np.int64(blocks.stride(0)), layout.log2_block_size, 0,
     )
-    run_decode(
+    launched = run_decode(
         MODE_PAGED, q_rot, tuple(q_rot.stride()), tensor_args, num_seqs, kv_heads, group, max_len,
-        (k_centroids, v_centroids), (k_bits, v_bits), float(scale), out, lse, layout.log2_block_size,
+        (k_centroids, v_centroids), (k_bits, v_bits), scale, out, lse, layout.log2_block_size,
     )
+    remember_call(signature, launched, q_rot.device.index, (16, 16))
     return out, lse

@@ -14,7 +14,9 @@ import torch
 from . import checks
 from ..packing import packed_size
 from .decode_launch import (
-    MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, check_codebooks, check_query, run_decode, slice_alignment,
+    MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, PreparedDecode, call_signature, check_codebooks, check_query,
+    contiguous_runs_staged, contiguous_staging_pays,
+    prepared_call, remember_call, run_decode, slice_alignment, TMA_OPTION,
 )
 
 
@@ -80,6 +82,23 @@ def tq_decode(
     out_rot : fp32 shape [B, Hq, 1, D] (value-rotated space); lse : fp32 shape [B, Hq, 1] natural log, -inf (and
     out 0) where no key is visible
     """
+    scale = float(scale)
+    signature = call_signature("tq_decode", (q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids,
+                                             key_bias), k_bits, v_bits, scale)
+    prepared = prepared_call(signature)
+    if prepared is not None:
+        runs = (k_packed.data_ptr(), k_norms.data_ptr(), v_packed.data_ptr(), v_norms.data_ptr())
+        if not (runs[0] % prepared.alignment[0] or runs[1] % prepared.alignment[1] or runs[2] % prepared.alignment[2]
+                or runs[3] % prepared.alignment[3]):
+            batch, q_heads, _, head_dim = q_rot.shape
+            out = torch.empty(batch, q_heads, 1, head_dim, dtype=torch.float32, device=q_rot.device)
+            lse = torch.empty(batch, q_heads, 1, dtype=torch.float32, device=q_rot.device)
+            inputs = (q_rot.data_ptr(), *runs)
+            if key_bias is not None:
+                inputs += (key_bias.data_ptr(),)
+            prepared.launch((*inputs, k_centroids.data_ptr(), v_centroids.data_ptr()), out.data_ptr(),
+                            lse.data_ptr())
+            return out, lse
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
     batch, q_heads, _, head_dim = q_rot.shape
@@ -91,8 +110,13 @@ def tq_decode(
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
-    launch_contiguous(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits, v_bits, scale,
-                      key_bias, out, lse)
+    launched = launch_contiguous(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits,
+                                 v_bits, scale, key_bias, out, lse)
+    if launched is not None:  # later calls check what this one's build assumed of the addresses
+        staged = TMA_OPTION in launched.options
+        alignment = (16 if staged else slice_alignment(head_dim, k_bits, keys=True), 16 if staged else 4,
+                     16 if staged else slice_alignment(head_dim, v_bits, keys=False), 16 if staged else 4)
+        remember_call(signature, launched, q_rot.device.index, alignment)
     return out, lse
 
 
@@ -101,10 +125,11 @@ def launch_contiguous(
     k_centroids: torch.Tensor, v_centroids: torch.Tensor, k_bits: int, v_bits: int, scale: float,
     key_bias: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor | None = None,
     extra: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
+) -> PreparedDecode | None:
     """Launch the decode over the contiguous layout into ``out`` / ``lse`` (checked inputs, at least one key of
     capacity). ``lengths``: int32 ``[B]`` live keys per sequence on the device (default: all ``N`` keys);
-    ``extra``: one more partial merged in (see :func:`~flashquant_hf.kernels.decode_launch.run_decode`)."""
+    ``extra``: one more partial merged in (see :func:`~flashquant_hf.kernels.decode_launch.run_decode`, which
+    returns the prepared call)."""
     batch, q_heads, _, head_dim = q_rot.shape
     kv_heads, num_keys = k_packed.shape[1], k_packed.shape[2]
     i64 = np.int64
@@ -123,7 +148,10 @@ def launch_contiguous(
         i64(0), 0, num_keys,
     )
     qs = q_rot.stride()
-    run_decode(
+    runs_staged = key_bias is None and contiguous_staging_pays(head_dim, k_bits, v_bits) and contiguous_runs_staged(
+        (k_packed, k_norms, v_packed, v_norms), (k_packed.shape[3], 4, v_packed.shape[3], 4))
+    return run_decode(
         mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, batch, kv_heads, q_heads // kv_heads,
         num_keys, (k_centroids, v_centroids), (k_bits, v_bits), float(scale), out, lse, extra=extra,
+        runs_staged=runs_staged,
     )

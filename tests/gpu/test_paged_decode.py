@@ -312,3 +312,29 @@ def test_paged_decode_widths_head_dims(bits, head_dim, cuda_gen):
     blocks, table, lens_t = random_store(lens, 16, 2, head_dim, seed=300 + head_dim, k_bits=bits[0], v_bits=bits[1])
     q = torch.randn(len(lens), 2, head_dim, device=DEV, dtype=torch.float16, generator=cuda_gen)
     check(q, blocks, table, lens_t, 16, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [(4, 4), (3, 2)])
+def test_paged_decode_prepared_call_follows_every_pointer(bits, monkeypatch, poison, cuda_gen):
+    """With ``max_seq_len`` given, calls of one signature reuse the first call's prepared launch: a loop over
+    different stores, tables, lengths and queries of the same shapes (several splits, then one) gives each call its
+    own result, outputs poisoned before every launch."""
+    import flashquant_hf.kernels.decode_launch as dl
+    from flashquant_hf.kernels.paged_decode import paged_decode
+
+    real_empty = torch.empty
+    dl.clear_caches()
+    ck, cv = centroids(128, bits[0]), centroids(128, bits[1])
+    for lens_list in ([[3000, 700], [2999, 2001], [17, 3000]], [[40, 9], [33, 1]]):
+        max_len = max(max(lens) for lens in lens_list)
+        for seed, lens in enumerate(lens_list * 2):
+            blocks, table, lens_t = random_store([max_len, max_len], 16, 2, 128, seed=90 + seed, k_bits=bits[0],
+                                                 v_bits=bits[1])
+            lens_t.copy_(torch.tensor(lens, dtype=torch.int32))
+            q = torch.randn(2, 8, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
+            with monkeypatch.context() as patched:
+                patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+                result = paged_decode(q, blocks, table, lens_t, ck, cv, *bits, 128**-0.5, 16, max_len)
+            check(q, blocks, table, lens_t, 16, bits=bits, result=result)
+    assert dl._PREPARED, "the calls above should have gone through a prepared launch"
+    dl.clear_caches()

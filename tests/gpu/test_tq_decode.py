@@ -348,3 +348,79 @@ def test_tq_decode_widths_key_bias_and_empty(bits, cuda_gen):
     check_widths(q, cache, *bits, key_bias=bias)
     empty = random_cache(3, 2, 0, 128, capacity_extra=16, k_bits=bits[0], v_bits=bits[1])
     check_widths(q, empty, *bits)
+
+
+def test_tq_decode_prepared_call_follows_every_pointer(poison, monkeypatch, cuda_gen):
+    """Calls of one signature after the first reuse its prepared launch and only rewrite pointers: each call of a
+    loop over different caches, queries, centroids and key biases (one and several splits) gives its own result;
+    the outputs are poisoned before every launch."""
+    import flashquant_hf.kernels.decode_launch as dl
+
+    real_empty = torch.empty
+    dl.clear_caches()
+    for num_keys, batch in ((5000, 2), (300, 2)):  # several splits (workspace + merge), then one
+        caches = [random_cache(batch, 2, num_keys, 128, capacity_extra=11, seed=60 + i) for i in range(3)]
+        books = [centroids(128) * s for s in (1.0, 0.5, 2.0)]
+        for round_ in range(2):
+            for i, cache in enumerate(caches):
+                q = torch.randn(batch, 8, 1, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
+                bias = torch.zeros(batch, num_keys, device=DEV)
+                bias[i % batch, : 17 * (i + 1)] = -math.inf
+                c = books[(i + round_) % 3]
+                with monkeypatch.context() as patched:
+                    patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+                    result = run(q, cache, c, bias)
+                check(result, q, cache, c, key_bias=bias)
+    assert dl._PREPARED, "the calls above should have gone through a prepared launch"
+    dl.clear_caches()
+
+
+def test_tq_decode_prepared_call_still_rejects_misaligned_codes(cuda_gen):
+    """A cached signature does not skip the per-call alignment check: the same shapes and strides at an address
+    the vector loads cannot take raise the checks' error."""
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    k, kn, v, vn = random_cache(1, 2, 40, 128)
+    c = centroids(128)
+    q = torch.randn(1, 4, 1, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
+    tq_decode(q, k, kn, v, vn, c, c, 4, 4, 0.1)
+    flat = torch.zeros(k.numel() + 8, dtype=torch.uint8, device=DEV)
+    shifted = flat[8:].view(1, 2, 40, 64)
+    assert shifted.stride() == k.stride() and shifted.data_ptr() % 16 == 8
+    with pytest.raises(ValueError, match="`k_packed` needs a contiguous last dimension and 16-byte aligned rows"):
+        tq_decode(q, shifted, kn, v, vn, c, c, 4, 4, 0.1)
+
+
+@pytest.mark.parametrize("bits", [(4, 4), (3, 3), (3, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [4, 8])
+def test_tq_decode_staged_and_register_tiles(bits, head_dim, group, monkeypatch, poison, cuda_gen):
+    """Contiguous runs bulk-copied per tile into shared memory (sm_90, widths whose register loads are narrow, rows
+    packed and every run 16-byte aligned) and the register loads (TMA_TILES False, other widths, or a capacity whose
+    norm runs are not 16-byte aligned) all equal the
+    reference: several splits with a partial last tile (read from global memory), one key, 17 keys; outputs
+    poisoned first."""
+    import flashquant_hf.kernels.decode_launch as dl
+
+    staged_available = torch.cuda.get_device_capability()[0] == 9
+    real_empty = torch.empty
+    c_k, c_v = centroids(head_dim, bits[0]), centroids(head_dim, bits[1])
+    for num_keys in (4100, 1, 17):
+        for extra, tma in ((12, True), (13, True), (12, False)):  # capacity % 4 == 0: norm runs 16-byte aligned
+            monkeypatch.setattr(dl, "TMA_TILES", tma)
+            dl.clear_caches()
+            cache = random_cache(2, 2, num_keys, head_dim, capacity_extra=extra + (-num_keys) % 4,
+                                 seed=num_keys + extra, k_bits=bits[0], v_bits=bits[1])
+            q = torch.randn(2, 2 * group, 1, head_dim, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
+            with monkeypatch.context() as patched:
+                patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+                from flashquant_hf.kernels.tq_decode import tq_decode
+
+                result = tq_decode(q, *cache, c_k, c_v, *bits, head_dim**-0.5)
+            (setup,) = dl._LAUNCHES.values()
+            staged = dl.TMA_OPTION in setup.options
+            aligned = (num_keys + extra + (-num_keys) % 4) % 4 == 0
+            pays = dl.contiguous_staging_pays(head_dim, *bits)
+            assert staged == (tma and staged_available and aligned and pays), setup
+            check(result, q, cache, c_k, c_v, bits=bits)
+    dl.clear_caches()
