@@ -8,9 +8,11 @@
 //
 // Both compute in fp32 and give, per coordinate, idx = #{k : boundaries[k] <= y} (torch.bucketize with
 // right=True). They differ from the PyTorch reference only where a rotated value lies within rounding
-// (~1e-7) of a boundary. Output: packed [rows, D*BITS/8] uint8 and norms [rows] fp32, both contiguous.
+// (~1e-7) of a boundary. Output: packed [.., D*BITS/8] uint8 and norms [..] fp32.
 // Input rows are addressed through collapsed leading dimensions [n0, n1, n2] with element strides; the last
-// dimension is contiguous and every row starts 16-byte aligned (the wrapper guarantees it).
+// dimension is contiguous and every row starts 16-byte aligned (the wrapper guarantees it). Output rows are
+// runs of consecutive rows a fixed number of rows apart (OutRows), from a first row read from device memory
+// (`out_start`, null for 0): a launch writes a block of rows of every head straight into a larger store.
 //
 // Build switches: none (the wrapper, kernels/compress.py, compiles every instantiation without options).
 #include "utils.cuh"
@@ -282,6 +284,25 @@ struct Bucketizer<4> {
 // Shared pieces
 // -------------------------------------------------------------------------------------------------
 
+// Where input row r's outputs go, counted in rows from the launch's first output row: packed + row(r) * PACKED,
+// norms + row(r). The rows form runs of `run.d` consecutive rows (the tokens of one head), `run_stride` rows apart
+// (the store's capacity per head); a contiguous output is one run. One multiply-high division per row.
+struct OutRows {
+    fq::FastDiv run;
+    long long run_stride;
+    __device__ __forceinline__ long long row(unsigned r) const {
+        const unsigned k = run.div(r);
+        return static_cast<long long>(k) * run_stride + (r - k * run.d);
+    }
+};
+
+// The first output row, read from device memory (null: 0), and whether the launch writes: a start outside
+// [0, max_start] writes nothing (a captured graph replays the launch with whatever its counter holds).
+__device__ __forceinline__ bool output_start(const long long* start_ptr, long long max_start, long long& start) {
+    start = start_ptr != nullptr ? *start_ptr : 0;
+    return start >= 0 && start <= max_start;
+}
+
 template <int D, int BITS>
 struct CodecShape {
     static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
@@ -354,7 +375,7 @@ __device__ __forceinline__ void load_row_raw(const T* __restrict__ x, long long 
 template <int D, int BITS, typename T, bool NC, bool SLOW>
 __device__ __forceinline__ void compress_hadamard_rows(
     const T* __restrict__ x, long long sx0, long long sx1, long long sx2, fq::FastDiv n1, fq::FastDiv n2,
-    unsigned rows, const Bucketizer<BITS>& bucket, unsigned neg, const float* s_csq,
+    unsigned rows, const Bucketizer<BITS>& bucket, unsigned neg, const float* s_csq, const OutRows& out_rows,
     unsigned char* __restrict__ packed, float* __restrict__ norms) {
     using S = HadamardShape<D, BITS, T>;
     const int t = threadIdx.x % S::LANES;
@@ -390,7 +411,8 @@ __device__ __forceinline__ void compress_hadamard_rows(
         const float n = sqrtf(ss);
         const float scale = 1.f / (fmaxf(n, FLOAT_TINY) * S::SQRT_D);
         float csq = 0.f;
-        unsigned char* out = packed + static_cast<long long>(r) * S::PACKED;
+        const long long orow = out_rows.row(r);
+        unsigned char* out = packed + orow * S::PACKED;
 #pragma unroll
         for (int v = 0; v < S::V; ++v) {
             unsigned stream = 0;
@@ -403,7 +425,7 @@ __device__ __forceinline__ void compress_hadamard_rows(
             if (valid) fq::store_chunk<BITS>(out + (v * S::LANES + t) * BITS, stream);
         }
         if constexpr (NC) csq = fq::group_sum<S::LANES>(csq);
-        if (valid && t == 0) norms[r] = stored_norm(n, csq, NC);
+        if (valid && t == 0) norms[orow] = stored_norm(n, csq, NC);
 
         if (!has_next) break;
         cur = nxt;
@@ -542,7 +564,8 @@ template <int D, int BITS, typename T, bool NC, int MODE>
 __device__ __forceinline__ void compress_mma_subtile(const uint4 (&raw)[D / 32], unsigned r, int t, unsigned rows,
                                                      const Bucketizer<BITS>& bucket, const unsigned (&bfrag)[2][2],
                                                      const uint4 (&smask)[D / 32], const float* s_csq,
-                                                     unsigned char* __restrict__ packed, float* __restrict__ norms) {
+                                                     const OutRows& out_rows, unsigned char* __restrict__ packed,
+                                                     float* __restrict__ norms) {
     using S = MmaShape<D, BITS>;
     constexpr int NI = S::NI;
     // acc[i][h]: {row half 0 (bit 1 = 0): nn = 2t, 2t + 1; row half 1: nn = 2t, 2t + 1}.
@@ -603,13 +626,14 @@ __device__ __forceinline__ void compress_mma_subtile(const uint4 (&raw)[D / 32],
         bucketize_subtile<D, BITS, NC, MODE>(acc, scale, bucket, s_csq, st, csq);
     }
     const bool valid = r < rows;
-    unsigned char* out = packed + static_cast<long long>(r) * S::PACKED;
+    const long long orow = out_rows.row(r);
+    unsigned char* out = packed + orow * S::PACKED;
     if (valid) {
 #pragma unroll
         for (int i = 0; i < NI; ++i) fq::store_chunk<BITS>(out + (t + 4 * i) * BITS, st[i]);
     }
     if constexpr (NC) csq = fq::group_sum<4>(csq);
-    if (valid && t == 0) norms[r] = stored_norm(n, csq, NC);
+    if (valid && t == 0) norms[orow] = stored_norm(n, csq, NC);
 }
 
 // Persistent loop over tiles of MMA_ROWS rows, one warp per tile. Two input buffers used alternately (no
@@ -618,7 +642,7 @@ template <int D, int BITS, typename T, bool NC, int MODE>
 __device__ __forceinline__ void compress_mma_rows(
     const T* __restrict__ x, long long sx0, long long sx1, long long sx2, fq::FastDiv n1, fq::FastDiv n2,
     unsigned rows, const Bucketizer<BITS>& bucket, const unsigned (&bfrag)[2][2], const uint4 (&smask)[D / 32],
-    const float* s_csq, unsigned char* __restrict__ packed, float* __restrict__ norms) {
+    const float* s_csq, const OutRows& out_rows, unsigned char* __restrict__ packed, float* __restrict__ norms) {
     using S = MmaShape<D, BITS>;
     constexpr int WARPS = HadamardLaunch<D, T>::THREADS / 32, ROWS = MMA_ROWS;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -635,7 +659,7 @@ __device__ __forceinline__ void compress_mma_rows(
 #pragma unroll
         for (int u = 0; u < S::SUB; ++u)
             compress_mma_subtile<D, BITS, T, NC, MODE>(cur.c[u], tile * ROWS + 8 * u + g, t, rows, bucket, bfrag,
-                                                       smask, s_csq, packed, norms);
+                                                       smask, s_csq, out_rows, packed, norms);
         tile = next;
         return has_next;
     };
@@ -652,19 +676,26 @@ __device__ __forceinline__ void compress_mma_rows(
         const unsigned n1_magic, const unsigned n1_shift, const unsigned n2, const unsigned n2_magic,             \
         const unsigned n2_shift, const int rows, const float* __restrict__ ROTATION,                              \
         const float* __restrict__ boundaries, const float* __restrict__ centroids, const int norm_correction,     \
-        unsigned char* __restrict__ packed, float* __restrict__ norms
+        unsigned char* __restrict__ packed, float* __restrict__ norms, const long long* __restrict__ out_start,   \
+        const long long max_start, const unsigned run, const unsigned run_magic, const unsigned run_shift,        \
+        const long long run_stride
 
 template <int D, int BITS, typename T>
 __global__ void __launch_bounds__(fq_compress::HadamardLaunch<D, T>::THREADS, fq_compress::HadamardLaunch<D, T>::MIN_BLOCKS)
 tq_compress_hadamard(FQ_COMPRESS_ARGS(signs)) {
     using namespace fq_compress;
     using S = HadamardShape<D, BITS, T>;
+    long long start;
+    if (!output_start(out_start, max_start, start)) return;  // uniform over the grid, before any barrier
+    packed += start * S::PACKED;
+    norms += start;
     __shared__ TableSmem table;
     __shared__ float s_csq[S::LEVELS];
     Bucketizer<BITS> bucket;
     bucket.template setup<HadamardLaunch<D, T>::MMA>(table, boundaries);
     load_centroid_squares<S::LEVELS>(s_csq, centroids, norm_correction != 0);
     const fq::FastDiv d1{n1, n1_magic, n1_shift}, d2{n2, n2_magic, n2_shift};
+    const OutRows out_rows{{run, run_magic, run_shift}, run_stride};
     const unsigned urows = rows;
     if constexpr (HadamardLaunch<D, T>::MMA) {
         const int lane = threadIdx.x & 31;
@@ -674,7 +705,8 @@ tq_compress_hadamard(FQ_COMPRESS_ARGS(signs)) {
         hadamard_sign_masks<D>(signs, lane & 3, smask);
         __syncthreads();
 #define MMA_ROWS_CALL(NC, MODE) \
-    compress_mma_rows<D, BITS, T, NC, MODE>(x, sx0, sx1, sx2, d1, d2, urows, bucket, bfrag, smask, s_csq, packed, norms)
+    compress_mma_rows<D, BITS, T, NC, MODE>(x, sx0, sx1, sx2, d1, d2, urows, bucket, bfrag, smask, s_csq, out_rows, \
+                                            packed, norms)
         if constexpr (BITS < 4) {  // register bucketize: no table modes
             if (norm_correction) MMA_ROWS_CALL(true, 1);
             else MMA_ROWS_CALL(false, 1);
@@ -697,13 +729,17 @@ tq_compress_hadamard(FQ_COMPRESS_ARGS(signs)) {
     const unsigned neg = fq::negative_sign_bits<S::V, S::LANES>(signs, threadIdx.x % S::LANES);
     __syncthreads();
     const bool slow = bucket.slow();
+#define HADAMARD_ROWS_CALL(NC, SLOW)                                                                        \
+    compress_hadamard_rows<D, BITS, T, NC, SLOW>(x, sx0, sx1, sx2, d1, d2, urows, bucket, neg, s_csq, out_rows, \
+                                                 packed, norms)
     if (norm_correction) {
-        if (slow) compress_hadamard_rows<D, BITS, T, true, true>(x, sx0, sx1, sx2, d1, d2, urows, bucket, neg, s_csq, packed, norms);
-        else compress_hadamard_rows<D, BITS, T, true, false>(x, sx0, sx1, sx2, d1, d2, urows, bucket, neg, s_csq, packed, norms);
+        if (slow) HADAMARD_ROWS_CALL(true, true);
+        else HADAMARD_ROWS_CALL(true, false);
     } else {
-        if (slow) compress_hadamard_rows<D, BITS, T, false, true>(x, sx0, sx1, sx2, d1, d2, urows, bucket, neg, s_csq, packed, norms);
-        else compress_hadamard_rows<D, BITS, T, false, false>(x, sx0, sx1, sx2, d1, d2, urows, bucket, neg, s_csq, packed, norms);
+        if (slow) HADAMARD_ROWS_CALL(false, true);
+        else HADAMARD_ROWS_CALL(false, false);
     }
+#undef HADAMARD_ROWS_CALL
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -753,7 +789,8 @@ template <int D, int BITS, typename T>
 __device__ __forceinline__ void compress_dense_tiles(
     const T* __restrict__ x, long long sx0, long long sx1, long long sx2, fq::FastDiv n1, fq::FastDiv n2,
     unsigned rows, const float* __restrict__ rotation, const Bucketizer<BITS>& bucket, bool slow, bool nc,
-    const float* s_csq, float* smem, unsigned char* __restrict__ packed, float* __restrict__ norms) {
+    const float* s_csq, float* smem, const OutRows& out_rows, unsigned char* __restrict__ packed,
+    float* __restrict__ norms) {
     using S = DenseShape<D, BITS>;
     float* pi_s = smem;
     float* xt = pi_s + S::PI_FLOATS;
@@ -853,7 +890,7 @@ __device__ __forceinline__ void compress_dense_tiles(
                     if (nc) csq[i] += s_csq[idx];
                 }
                 if (r < rows)
-                    fq::store_chunk<BITS>(packed + static_cast<long long>(r) * S::PACKED + (pass * S::TX + tx) * BITS, stream);
+                    fq::store_chunk<BITS>(packed + out_rows.row(r) * S::PACKED + (pass * S::TX + tx) * BITS, stream);
             }
         }
 #pragma unroll
@@ -861,7 +898,7 @@ __device__ __forceinline__ void compress_dense_tiles(
             if (nc) csq[i] = fq::group_sum<S::TX>(csq[i]);
             const int lr = ty * S::RM + i;
             const unsigned r = r0 + lr;
-            if (tx == 0 && r < rows) norms[r] = stored_norm(s_norm[lr], csq[i], nc);
+            if (tx == 0 && r < rows) norms[out_rows.row(r)] = stored_norm(s_norm[lr], csq[i], nc);
         }
     }
 }
@@ -872,6 +909,10 @@ template <int D, int BITS, typename T>
 __global__ void __launch_bounds__(256) tq_compress_dense(FQ_COMPRESS_ARGS(rotation)) {
     using namespace fq_compress;
     using S = DenseShape<D, BITS>;
+    long long start;
+    if (!output_start(out_start, max_start, start)) return;  // uniform over the grid, before any barrier
+    packed += start * S::PACKED;
+    norms += start;
     extern __shared__ float4 dense_smem[];
     __shared__ TableSmem table;
     __shared__ float s_csq[S::LEVELS];
@@ -882,7 +923,8 @@ __global__ void __launch_bounds__(256) tq_compress_dense(FQ_COMPRESS_ARGS(rotati
     float* smem = reinterpret_cast<float*>(dense_smem);
     const fq::FastDiv un1{n1, n1_magic, n1_shift}, un2{n2, n2_magic, n2_shift};
     compress_dense_tiles<D, BITS, T>(x, sx0, sx1, sx2, un1, un2, static_cast<unsigned>(rows), rotation, bucket,
-                                     bucket.slow(), norm_correction != 0, s_csq, smem, packed, norms);
+                                     bucket.slow(), norm_correction != 0, s_csq, smem,
+                                     OutRows{{run, run_magic, run_shift}, run_stride}, packed, norms);
 }
 
 #undef FQ_COMPRESS_ARGS

@@ -1,8 +1,7 @@
 """The ops of a static-capacity decode step as ``torch.library`` custom ops, so ``torch.compile`` traces a model whose
 cache is a static TurboQuantCache as one graph (each op is one opaque node with a fake implementation for shapes)
-and CUDA graphs capture it. The ops are functional (they return new tensors, which the layer writes into its
-store with ``index_copy_``, as transformers' StaticLayer writes its keys): no op mutates an input, so the compiler
-has no copy of a mutated store to avoid.
+and CUDA graphs capture it. ``compress_into`` writes into the store it is given and declares so
+(``mutates_args``): inductor then calls it on the store itself, with no copy; ``decode_merged`` is functional.
 
 Each op runs the CUDA kernels or the PyTorch reference through :mod:`flashquant_hf.ops` (``backend`` is the
 layer's decision); nothing in them synchronises with the host.
@@ -14,13 +13,13 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .packing import packed_size
+from .store_rows import check_store_rows
 
 NAMESPACE = "flashquant"
 
 
-@torch.library.custom_op(f"{NAMESPACE}::compress", mutates_args=())
-def compress(
+@torch.library.custom_op(f"{NAMESPACE}::compress_into", mutates_args=("packed", "norms"))
+def compress_into(
     x: torch.Tensor,
     rotation: torch.Tensor,
     boundaries: torch.Tensor,
@@ -29,16 +28,19 @@ def compress(
     bits: int,
     norm_correction: bool,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`flashquant_hf.reference.compress.compress` (``x`` ``[..., D]``)."""
-    return ops.compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs, backend=backend)
+    packed: torch.Tensor,
+    norms: torch.Tensor,
+    start: torch.Tensor,
+) -> None:
+    """See :func:`flashquant_hf.reference.compress.compress_into`: ``x [..., n, D]`` into rows ``start .. start + n``
+    of ``packed [..., N, bytes]`` / ``norms [..., N]``, in place."""
+    ops.compress_into(x, rotation, boundaries, bits, packed, norms, start, centroids, norm_correction, hadamard_signs,
+                      backend=backend)
 
 
-@compress.register_fake
-def _(x, rotation, boundaries, centroids, hadamard_signs, bits, norm_correction, backend):
-    lead = tuple(x.shape[:-1])
-    packed = x.new_empty(lead + (packed_size(x.shape[-1], bits),), dtype=torch.uint8)
-    return packed, x.new_empty(lead, dtype=torch.float32)
+@compress_into.register_fake
+def _(x, rotation, boundaries, centroids, hadamard_signs, bits, norm_correction, backend, packed, norms, start):
+    check_store_rows(x, packed, norms, start, bits)  # a bad call fails while tracing, not at the first replay
 
 
 @torch.library.custom_op(f"{NAMESPACE}::decode_merged", mutates_args=())

@@ -77,6 +77,16 @@ def compress(
     return module.compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs)
 
 
+def compress_into(
+    x, rotation, boundaries, bits, packed, norms, start, centroids=None, norm_correction=False, hadamard_signs=None,
+    *, backend: str | None = None,
+):
+    """See :func:`flashquant_hf.reference.compress.compress_into` (in place; returns None)."""
+    module = _reference_unless_served("compress", "compress", backend, (x,), x.shape[-1], bits)
+    module.compress_into(x, rotation, boundaries, bits, packed, norms, start, centroids, norm_correction,
+                         hadamard_signs)
+
+
 def decompress(
     packed, norms, rotation, centroids, bits, head_dim, dtype=torch.float32, hadamard_signs=None, *,
     backend: str | None = None,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .config import TurboQuantConfig
-from .custom_ops import compress
+from .custom_ops import compress_into
 from .layer import TurboQuantLayer
 from .packing import packed_size
 from .tags import TAG, FirstPrefillTag, StaticPlan
@@ -229,9 +229,9 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         self.exact_k[:, :, :to_sinks].copy_(key_states[:, :, :to_sinks])
         self.exact_v[:, :, :to_sinks].copy_(value_states[:, :, :to_sinks])
         if compressed:
-            positions = torch.arange(compressed, device=self.device)
             self._compress_into(key_states[:, :, to_sinks : to_sinks + compressed],
-                                value_states[:, :, to_sinks : to_sinks + compressed], positions)
+                                value_states[:, :, to_sinks : to_sinks + compressed],
+                                torch.zeros((), dtype=torch.int64, device=self.device))
         ring = slice(cfg.sink_tokens, cfg.sink_tokens + window)
         self.exact_k[:, :, ring].copy_(key_states[:, :, to_sinks + compressed :])
         self.exact_v[:, :, ring].copy_(value_states[:, :, to_sinks + compressed :])
@@ -242,8 +242,9 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         setattr(key_states, TAG, FirstPrefillTag(self))
         return key_states, value_states
 
-    def _compress_into(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Compress ``[B, H, n, D]`` K/V (after centring) into store slots ``positions``."""
+    def _compress_into(self, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor) -> None:
+        """Compress ``[B, H, n, D]`` K/V (after centring) straight into store slots ``start .. start + n`` (``start``:
+        an int64 device scalar)."""
         kp, kn, vp, vn = self.store_tensors
         for side, x, mean, packed, norms, codec in (
             ("key", keys, self.key_mean, kp, kn, self.key_codec),
@@ -251,10 +252,8 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         ):
             rotation, boundaries, centroids, signs = self.tables[side]
             tq = codec.quantizer
-            codes, code_norms = compress(self._centred(x, mean), rotation, boundaries, centroids, signs, tq.bits,
-                                         tq.norm_correction, self.backend)
-            packed.index_copy_(2, positions, codes)
-            norms.index_copy_(2, positions, code_norms)
+            compress_into(self._centred(x, mean), rotation, boundaries, centroids, signs, tq.bits, tq.norm_correction,
+                          self.backend, packed, norms, start)
 
     def _decode_store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """One token in, device counters only: the sinks or the ring take it; a full window compresses its oldest
@@ -272,8 +271,7 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         ring_slots = sinks_cap + (start + self.block_offsets) % ring_cap
         oldest_k = self.exact_k.index_select(2, ring_slots)
         oldest_v = self.exact_v.index_select(2, ring_slots)
-        positions = torch.where(full, n_comp, self.store_capacity) + self.block_offsets
-        self._compress_into(oldest_k, oldest_v, positions)
+        self._compress_into(oldest_k, oldest_v, torch.where(full, n_comp, self.store_capacity))
         moved = full.long() * block
         self.counts.copy_(torch.stack([n_sink, n_comp + moved, (start + moved) % ring_cap, n_win - moved]))
         self.lengths.copy_((n_comp + moved).to(torch.int32).expand_as(self.lengths))

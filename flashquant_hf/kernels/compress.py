@@ -1,4 +1,5 @@
-"""CUDA ``compress`` (``cuda/compress.cu``): norm + rotation + bucketize + bit packing in one launch.
+"""CUDA ``compress`` (``cuda/compress.cu``): norm + rotation + bucketize + bit packing in one launch; ``compress_into``
+writes the same codes straight into rows of a store whose first row is read from device memory.
 
 Same signature and results as :func:`flashquant_hf.reference.compress.compress`, except that an index may
 differ where a rotated coordinate lies within float rounding (~1e-7) of a boundary. With ``hadamard_signs``
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from typing import Sequence
 
 import numpy as np
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from ..codebook import SUPPORTED_BITS
 from ..packing import packed_size
+from ..store_rows import check_store_rows
 from . import loader
 from .checks import check_tensor
 from .loader import device_index
@@ -239,6 +242,43 @@ def compress(
     return packed, norms
 
 
+def compress_into(
+    x: torch.Tensor,
+    rotation: torch.Tensor,
+    boundaries: torch.Tensor,
+    bits: int,
+    packed: torch.Tensor,
+    norms: torch.Tensor,
+    start: torch.Tensor,
+    centroids: torch.Tensor | None = None,
+    norm_correction: bool = False,
+    hadamard_signs: torch.Tensor | None = None,
+) -> None:
+    """Compress ``x`` into rows ``start .. start + n`` of a store on the GPU, in place, in one launch (see
+    :func:`flashquant_hf.reference.compress.compress_into`): the kernel reads ``start`` from device memory (no host
+    synchronisation; CUDA graphs replay it with the counter's value then) and writes nothing for a start outside
+    ``[0, N - n]``.
+
+    Parameters
+    ----------
+    x : shape [..., n, D], as for :func:`compress`
+    packed : uint8 shape [..., N, ceil(D*bits/8)], contiguous; norms : fp32 shape [..., N], contiguous
+    start : int64 CUDA tensor of one element, the first row
+
+    >>> compress_into(x, pi, boundaries, 4, store_packed, store_norms, first_free)  # doctest: +SKIP
+    """
+    bits = _check_compress_inputs(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs)
+    check_served("compress", x.shape[-1], bits)
+    check_store_rows(x, packed, norms, start, bits)
+    for name, t in (("packed", packed), ("norms", norms)):
+        if not t.is_contiguous() or t.data_ptr() % 4:
+            raise ValueError(f"`{name}` must be contiguous and 4-byte aligned (the kernel writes rows at a device "
+                             f"offset of a contiguous store), got strides {t.stride()}")
+    if x.numel() == 0:
+        return
+    launch_compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs, packed, norms, start)
+
+
 def launch_compress(
     x: torch.Tensor,
     rotation: torch.Tensor,
@@ -249,8 +289,11 @@ def launch_compress(
     hadamard_signs: torch.Tensor | None,
     packed: torch.Tensor,
     norms: torch.Tensor,
+    start: torch.Tensor | None = None,
 ) -> None:
-    """Launch the compress kernel into preallocated contiguous ``packed``/``norms`` (no validation)."""
+    """Launch the compress kernel (no validation) into contiguous ``packed``/``norms``: of ``x``'s leading shape, or,
+    with ``start`` (int64, one element, on the device), stores ``[..., N, bytes]`` / ``[..., N]`` whose rows
+    ``start .. start + n`` receive ``x [..., n, D]`` (a start outside ``[0, N - n]`` writes nothing)."""
     head_dim = x.shape[-1]
     x = aligned_rows(x, 16)
     layout = collapse_rows(x.shape[:-1], x.stride()[:-1])
@@ -259,7 +302,11 @@ def launch_compress(
         layout = collapse_rows(x.shape[:-1], x.stride()[:-1])
     assert layout is not None
     sizes, (strides,) = layout
-    rows = packed.numel() // packed.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    if start is None:  # one run of `rows` contiguous rows from row 0
+        out_start, max_start, run, run_stride = np.uint64(0), 0, rows, rows
+    else:  # runs of n rows (one per leading index), N rows apart, from row `start`
+        out_start, max_start, run, run_stride = start, norms.shape[-1] - x.shape[-2], x.shape[-2], norms.shape[-1]
     device = x.device
     index = device_index(device)
     centroids_arg = centroids if centroids is not None else boundaries  # never read without norm correction
@@ -280,5 +327,6 @@ def launch_compress(
         x, np.int64(strides[0]), np.int64(strides[1]), np.int64(strides[2]),
         *fast_divider(sizes[1]), *fast_divider(sizes[2]), rows,
         table, boundaries.contiguous(), centroids_arg.contiguous(), bool(norm_correction), packed, norms,
+        out_start, np.int64(max_start), *fast_divider(run), np.int64(run_stride),
     )
     loader.launch(kernel, (grid,), (threads,), args, device, shared_mem=smem)

@@ -1,4 +1,5 @@
-"""Reference TurboQuant compression: norm, rotation, bucketize, pack."""
+"""Reference TurboQuant compression: norm, rotation, bucketize, pack; ``compress_into`` writes the codes into rows of
+a store."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from torch import Tensor
 
 from ..packing import pack_indices
+from ..store_rows import check_start_value, check_store_rows
 
 
 def compress(
@@ -39,3 +41,44 @@ def compress(
         recon_norm = torch.linalg.vector_norm(centroids[indices], dim=-1)
         norms = norms / recon_norm.clamp_min(torch.finfo(torch.float32).tiny)
     return pack_indices(indices, bits), norms
+
+
+def compress_into(
+    x: torch.Tensor,
+    rotation: torch.Tensor,
+    boundaries: torch.Tensor,
+    bits: int,
+    packed: torch.Tensor,
+    norms: torch.Tensor,
+    start: torch.Tensor,
+    centroids: torch.Tensor | None = None,
+    norm_correction: bool = False,
+    hadamard_signs: torch.Tensor | None = None,
+) -> None:
+    """Compress ``x`` (as :func:`compress`) into rows ``start .. start + n`` of a store, in place.
+
+    Parameters
+    ----------
+    x : shape [..., n, D]
+    packed : uint8 shape [..., N, ceil(D*bits/8)], N >= n; norms : fp32 shape [..., N]
+    start : int64, one element, on the store's device: the first row. On the CPU a start outside [0, N - n]
+        raises a ValueError; on a GPU its value is not read on the host (no synchronisation) and such a start
+        writes nothing.
+    rotation, boundaries, bits, centroids, norm_correction, hadamard_signs : as for :func:`compress`
+
+    >>> compress_into(x, pi, boundaries, 4, store_packed, store_norms, torch.tensor(16))  # doctest: +SKIP
+    """
+    n = check_store_rows(x, packed, norms, start, bits)
+    slots = packed.shape[-2]
+    if start.device.type == "cpu":
+        check_start_value(start, n, slots)
+    codes, code_norms = compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs)
+    positions = start.reshape(()) + torch.arange(n, device=start.device)
+    if start.device.type != "cpu":
+        # Out of range: rewrite the rows at the clamped positions with what they hold (no bounds fault, no change).
+        inside = (start.reshape(()) >= 0) & (start.reshape(()) <= slots - n)
+        positions = positions.clamp(0, slots - 1)
+        codes = torch.where(inside, codes, packed.index_select(-2, positions))
+        code_norms = torch.where(inside, code_norms, norms.index_select(-1, positions))
+    packed.index_copy_(packed.dim() - 2, positions, codes)
+    norms.index_copy_(norms.dim() - 1, positions, code_norms)

@@ -17,12 +17,14 @@ import pytest
 import torch
 from tolerance import dtype_error_bound, max_error
 
+from flashquant_hf import custom_ops  # noqa: F401  (registers torch.ops.flashquant)
 from flashquant_hf import ops
 from flashquant_hf.codebook import lloyd_max_codebook
 from flashquant_hf.kernels import compress as kc
 from flashquant_hf.kernels import loader
 from flashquant_hf.packing import packed_size, unpack_indices
 from flashquant_hf.reference.compress import compress as reference_compress
+from flashquant_hf.reference.compress import compress_into as reference_compress_into
 from flashquant_hf.rotation import hadamard_signs, random_rotation
 
 from .codec_helpers import CODEBOOK_AND_ROTATION_BAD_INPUTS
@@ -335,3 +337,167 @@ BAD_INPUTS = [
 def test_bad_inputs_raise(overrides, error, match):
     with pytest.raises(error, match=match):
         kc.compress(**_good_args(**overrides()))
+
+
+# ---- compress_into: the block of rows written straight into a store at a device offset
+
+def _store(lead: tuple[int, ...], slots: int, head_dim: int, bits: int, poison) -> tuple[torch.Tensor, torch.Tensor]:
+    packed = torch.empty(lead + (slots, packed_size(head_dim, bits)), dtype=torch.uint8, device="cuda")
+    return poison(packed), poison(torch.empty(lead + (slots,), device="cuda"))
+
+
+def _store_problems(label, x, packed, norms, first, rotation, boundaries, centroids, bits, nc) -> list[str]:
+    """What differs from the reference in rows ``first .. first + n`` of the store, and any row outside them that
+    lost its poison (``first`` None: no row may be written)."""
+    n, slots = x.shape[-2], packed.shape[-2]
+    outside = torch.ones(slots, dtype=torch.bool, device="cuda")
+    problems = []
+    if first is not None:
+        outside[first : first + n] = False
+        block = slice(first, first + n)
+        problems += _problems(label, x, packed[..., block, :], norms[..., block], rotation, boundaries, centroids,
+                              bits, nc)
+    if not ((packed[..., outside, :] == 0xAB).all() and norms[..., outside].isnan().all()):
+        problems.append(f"{label}: rows outside {first} .. {first}+{n} were written")
+    return problems
+
+
+@pytest.mark.parametrize("path", kc.ROTATION_PATHS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_compress_into_writes_the_block_at_a_device_offset(path, head_dim, bits, poison, rng_seed, cuda_gen):
+    """Every dtype (fp16/bf16: the tensor-core kernel on the Hadamard path; fp32: the FWHT one) into poisoned stores
+    at random offsets read from device memory: the block equals the reference's codes, nothing else is written.
+    Shapes: one row per head, odd counts, HF's strided [B, L, H, D] view, and enough rows for several rounds of the
+    persistent grid."""
+    seed, gen = rng_seed, cuda_gen  # the seed is printed with every failure
+    rotation, signs = _rotation(path, head_dim, seed % 1000)
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    shapes = [(1, 8, 17, 1), (3, 2, 129, 97), (2, 4, 300, 64)]
+    if head_dim == 128:
+        shapes.append((4, 8, 4100, 4096))
+    problems = []
+    for dtype in DTYPES:
+        for batch, heads, slots, n in shapes:
+            nc = n % 2 == 1
+            x = _inputs((batch, n, heads, head_dim), dtype, gen).transpose(1, 2)
+            first = int(torch.randint(0, slots - n + 1, (), generator=gen, device="cuda"))
+            packed, norms = _store((batch, heads), slots, head_dim, bits, poison)
+            start = torch.tensor(first, device="cuda")
+            kc.compress_into(x, rotation, boundaries, bits, packed, norms, start, centroids, nc, signs)
+            torch.cuda.synchronize()
+            label = f"{path} D={head_dim} bits={bits} {dtype} [{batch}, {heads}, {n}] into {slots} at {first}"
+            label += f" seed={seed}"
+            problems += _store_problems(label, x, packed, norms, first, rotation, boundaries, centroids, bits, nc)
+    assert not problems, f"{len(problems)} failing settings:\n" + "\n".join(problems[:8])
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_compress_into_out_of_range_start_writes_nothing(backend, poison):
+    """A device start below 0 or past N - n: the kernel returns before writing, the reference on the GPU rewrites
+    what the rows hold (neither reads the value on the host)."""
+    head_dim, bits, slots, n = 128, 4, 40, 16
+    rotation, signs = _rotation("hadamard", head_dim, 2)
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    x = torch.randn(2, 4, n, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+    for first in (-1, slots - n + 1, 10**12):
+        packed, norms = _store((2, 4), slots, head_dim, bits, poison)
+        start = torch.tensor([first], device="cuda")
+        if backend == "kernel":
+            kc.compress_into(x, rotation, boundaries, bits, packed, norms, start, centroids, False, signs)
+        else:
+            reference_compress_into(x, rotation, boundaries, bits, packed, norms, start, centroids, False, signs)
+        torch.cuda.synchronize()
+        problems = _store_problems(f"start={first}", x, packed, norms, None, rotation, boundaries, centroids, bits,
+                                   False)
+        assert not problems, problems
+
+
+def test_compress_into_replays_in_a_cuda_graph_at_the_counters_offset(poison):
+    """One captured launch, replayed after the start tensor and the input change: each replay writes its block where
+    the device counter says (or nothing, out of range), as a static cache's captured decode step does."""
+    head_dim, bits, slots, n = 128, 4, 100, 16
+    rotation, signs = _rotation("hadamard", head_dim, 9)
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.empty(2, 4, n, head_dim, device="cuda", dtype=torch.bfloat16)
+    packed, norms = _store((2, 4), slots, head_dim, bits, poison)
+    start = torch.zeros((), dtype=torch.int64, device="cuda")
+    kc.compress_into(x.normal_(generator=gen), rotation, boundaries, bits, packed, norms, start, centroids, True,
+                     signs)  # compiles the kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kc.compress_into(x, rotation, boundaries, bits, packed, norms, start, centroids, True, signs)
+    for first in (0, 37, slots - n, slots - n + 1, -3):
+        poison(packed), poison(norms)
+        x.copy_(_inputs(tuple(x.shape), x.dtype, gen))
+        start.fill_(first)
+        graph.replay()
+        torch.cuda.synchronize()
+        written = first if 0 <= first <= slots - n else None
+        problems = _store_problems(f"replay at {first}", x, packed, norms, written, rotation, boundaries, centroids,
+                                   bits, True)
+        assert not problems, problems
+
+
+def test_compress_into_through_ops_and_the_custom_op(poison):
+    """The "cuda" backend's `ops.compress_into` and `flashquant::compress_into` run the kernel (bit for bit the
+    wrapper's result); head_dim 96 has no kernel and runs the reference on the GPU."""
+    bits, slots, n = 4, 50, 8
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    for head_dim in (128, 96):
+        rotation = random_rotation(head_dim, 1, device="cuda")
+        centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+        x = torch.randn(2, 2, n, head_dim, device="cuda", generator=gen)
+        start = torch.tensor(21, device="cuda")
+        via_ops, via_op, want = (_store((2, 2), slots, head_dim, bits, poison) for _ in range(3))
+        ops.compress_into(x, rotation, boundaries, bits, *via_ops, start, centroids, backend="cuda")
+        torch.ops.flashquant.compress_into(x, rotation, boundaries, centroids, None, bits, False, "cuda", *via_op,
+                                           start)
+        if head_dim == 128:
+            kc.compress_into(x, rotation, boundaries, bits, *want, start, centroids)
+        else:
+            reference_compress_into(x, rotation, boundaries, bits, *want, start, centroids)
+        for got in (via_ops, via_op):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1].nan_to_num(), want[1].nan_to_num()), head_dim
+
+
+BAD_STORES = [
+    (lambda p, m: dict(packed=p.transpose(0, 1)), r"`packed` must be contiguous"),
+    (lambda p, m: dict(norms=m.transpose(0, 1)), r"`norms` must be contiguous"),
+    (lambda p, m: dict(packed=p[..., :63]), r"`packed` must be uint8 of shape \[4, 4, N, 64\]"),
+    (lambda p, m: dict(start=torch.tensor(1.5, device="cuda")), r"`start` must be an int64 tensor"),
+    (lambda p, m: dict(start=torch.tensor(1)), r"must share a device"),
+]
+
+
+@pytest.mark.parametrize("overrides,match", BAD_STORES)
+def test_compress_into_bad_stores_raise(overrides, match, poison):
+    head_dim, bits = 128, 4
+    args = _good_args()
+    packed, norms = _store((4, 4), 30, head_dim, bits, poison)
+    into = dict(packed=packed, norms=norms, start=torch.tensor(3, device="cuda"))
+    into.update(overrides(packed, norms))
+    x = torch.randn(4, 4, 5, head_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(14))
+    x = x.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        kc.compress_into(x, args["rotation"], args["boundaries"], bits, into["packed"], into["norms"], into["start"],
+                         args["centroids"], False, args["hadamard_signs"])
+    assert (packed == 0xAB).all() and norms.isnan().all()
+
+
+def test_compress_into_opcheck_on_the_kernel_path():
+    """torch.library's checks of `flashquant::compress_into` with the kernel behind it: declared mutations, the fake
+    under FakeTensor, AOT dispatch (what torch.compile runs)."""
+    head_dim, bits = 128, 4
+    rotation, signs = _rotation("hadamard", head_dim, 8)
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    x = torch.randn(2, 4, 16, head_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(15))
+    x = x.to(torch.bfloat16)
+    packed = torch.zeros(2, 4, 40, packed_size(head_dim, bits), dtype=torch.uint8, device="cuda")
+    norms = torch.zeros(2, 4, 40, device="cuda")
+    torch.library.opcheck(torch.ops.flashquant.compress_into.default,
+                          (x, rotation, boundaries, centroids, signs, bits, True, "cuda", packed, norms,
+                           torch.tensor(7, device="cuda")))
