@@ -1,6 +1,7 @@
 """Tiny paged (block sizes 8-64, GQA 4 and 8, every code width at blocks of 8 and 16) + contiguous decode (several
-splits, so the merge runs too; every code width at head_dim 64 and 128) and a 40-split merge (the merge's deep-batch
-variant) for compute-sanitizer:
+splits, so the merge runs too; every code width at head_dim 64 and 128, with register loads and, where the widths
+and 16-byte aligned runs allow it, staged tiles) and a 40-split merge (the merge's deep-batch variant) for
+compute-sanitizer:
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize_decode.py [--warps 4] [--cupy-launch]
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_decode.py
@@ -82,6 +83,13 @@ def main() -> None:
             ow, _ = tq_decode(qw, kw, kn, vw, vn, codebook(bits[0], head_dim), codebook(bits[1], head_dim), *bits,
                               head_dim**-0.5)
             assert torch.isfinite(ow).all(), f"bits {bits}, head_dim {head_dim}"
+            # 16-byte aligned runs: the staged tiles (sm_90, narrow widths), whose partial last tile reads global memory
+            kw_s = torch.randint(0, 256, (2, 2, 784, kw.shape[-1]), dtype=torch.uint8, device=dev)[:, :, :777]
+            vw_s = torch.randint(0, 256, (2, 2, 784, vw.shape[-1]), dtype=torch.uint8, device=dev)[:, :, :777]
+            kn_s, vn_s = (torch.rand(2, 2, 784, device=dev)[:, :, :777] for _ in range(2))
+            ow, _ = tq_decode(qw, kw_s, kn_s, vw_s, vn_s, codebook(bits[0], head_dim), codebook(bits[1], head_dim),
+                              *bits, head_dim**-0.5)
+            assert torch.isfinite(ow).all(), f"bits {bits}, head_dim {head_dim}, aligned runs"
     outs, lses = torch.randn(40, 5, 128, device=dev), torch.randn(40, 5, device=dev)
     lses[3] = float("-inf")  # an empty split
     merged, _ = merge_partials(outs, lses)
