@@ -110,6 +110,7 @@ def test_merge_of_only_empty_splits_is_zero_with_neg_inf_lse(gen):
     ("merge_partials", "merge_partials"),
     ("flash_attention", "flash_attention"),
     ("compress", "compress"),
+    ("compress", "compress_into"),
     ("decompress", "decompress"),
 ])
 def test_every_kernel_op_has_a_reference_of_the_same_name_and_signature(op, function):

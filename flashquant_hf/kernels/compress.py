@@ -243,16 +243,8 @@ def compress(
 
 
 def compress_into(
-    x: torch.Tensor,
-    rotation: torch.Tensor,
-    boundaries: torch.Tensor,
-    bits: int,
-    packed: torch.Tensor,
-    norms: torch.Tensor,
-    start: torch.Tensor,
-    centroids: torch.Tensor | None = None,
-    norm_correction: bool = False,
-    hadamard_signs: torch.Tensor | None = None,
+    x: Tensor, rotation: Tensor, boundaries: Tensor, bits: int, packed: Tensor, norms: Tensor, start: Tensor,
+    centroids: Tensor | None = None, norm_correction: bool = False, hadamard_signs: Tensor | None = None,
 ) -> None:
     """Compress ``x`` into rows ``start .. start + n`` of a store on the GPU, in place, in one launch (see
     :func:`flashquant_hf.reference.compress.compress_into`): the kernel reads ``start`` from device memory (no host

@@ -44,16 +44,8 @@ def compress(
 
 
 def compress_into(
-    x: torch.Tensor,
-    rotation: torch.Tensor,
-    boundaries: torch.Tensor,
-    bits: int,
-    packed: torch.Tensor,
-    norms: torch.Tensor,
-    start: torch.Tensor,
-    centroids: torch.Tensor | None = None,
-    norm_correction: bool = False,
-    hadamard_signs: torch.Tensor | None = None,
+    x: Tensor, rotation: Tensor, boundaries: Tensor, bits: int, packed: Tensor, norms: Tensor, start: Tensor,
+    centroids: Tensor | None = None, norm_correction: bool = False, hadamard_signs: Tensor | None = None,
 ) -> None:
     """Compress ``x`` (as :func:`compress`) into rows ``start .. start + n`` of a store, in place.
 
