@@ -154,23 +154,18 @@ struct Lut {
     asm volatile("ld.shared.v2.u32 {%0,%1}, [%2+%3];" : "=r"(lo), "=r"(hi) : "r"(address), "n"(kLutWindow));
   }
 
-  // Entry of byte K of `w` (one PRMT puts the byte into bits 8..15 of the lane's constant).
-  template <int K>
-  __device__ __forceinline__ u32 byte_address(u32 w) const {
-    return __byte_perm(w, lane, 0x7604u | (K << 4));
+  // The callers' k, s and width are constants once their loops are unrolled, so each address below is the one or
+  // two instructions written here, with immediate operands.
+
+  // Entry of byte k (0..3) of `w` (one PRMT puts the byte into bits 8..15 of the lane's constant).
+  __device__ __forceinline__ u32 byte_address(u32 w, int k) const {
+    return __byte_perm(w, lane, 0x7604u | (k << 4));
   }
 
-  // Entry of the WIDTH bits of `x` starting at bit S (six-bit fields of a 24-bit group, nibbles of a word).
-  template <int S, int WIDTH = 6>
-  __device__ __forceinline__ u32 field_address(u32 x) const {
-    const u32 at8 = S >= 8 ? x >> (S - 8) : x << (8 - S);
-    return (at8 & (((1u << WIDTH) - 1u) << 8)) | lane;
-  }
-
-  // Entry of nibble N (0: bits 0..3) of `w`.
-  template <int N>
-  __device__ __forceinline__ u32 nibble_address(u32 w) const {
-    return field_address<4 * N, 4>(w);
+  // Entry of the `width` bits of `x` starting at bit s (six-bit fields of a 24-bit group, nibbles of a word).
+  __device__ __forceinline__ u32 field_address(u32 x, int s, int width = 6) const {
+    const u32 at8 = s >= 8 ? x >> (s - 8) : x << (8 - s);
+    return (at8 & (((1u << width) - 1u) << 8)) | lane;
   }
 };
 
@@ -201,39 +196,16 @@ struct Code {
 // The lookup of the entry at `address` into one register, or (8-byte entries) two.
 __device__ __forceinline__ u32 lookup(const Lut& lut, u32 address) { return lut.load(address); }
 
-// Entry address of byte K (0..3) of `w` (a runtime K that unrolling makes constant).
-__device__ __forceinline__ u32 byte_entry(const Lut& lut, u32 w, int k) {
-  switch (k) {
-    case 0: return lut.byte_address<0>(w);
-    case 1: return lut.byte_address<1>(w);
-    case 2: return lut.byte_address<2>(w);
-    default: return lut.byte_address<3>(w);
-  }
-}
+// Entry address of byte k (0..3) of `w`.
+__device__ __forceinline__ u32 byte_entry(const Lut& lut, u32 w, int k) { return lut.byte_address(w, k); }
 
 // Entry address of stream nibble q (0..7) of `w`: the high nibble of byte q / 2 for even q.
 __device__ __forceinline__ u32 nibble_entry(const Lut& lut, u32 w, int q) {
-  switch (q) {
-    case 0: return lut.nibble_address<1>(w);
-    case 1: return lut.nibble_address<0>(w);
-    case 2: return lut.nibble_address<3>(w);
-    case 3: return lut.nibble_address<2>(w);
-    case 4: return lut.nibble_address<5>(w);
-    case 5: return lut.nibble_address<4>(w);
-    case 6: return lut.nibble_address<7>(w);
-    default: return lut.nibble_address<6>(w);
-  }
+  return lut.field_address(w, 4 * (q ^ 1), 4);
 }
 
 // Entry address of the six-bit field f (0..3, from the top) of a 24-bit group.
-__device__ __forceinline__ u32 field_entry(const Lut& lut, u32 g, int f) {
-  switch (f) {
-    case 0: return lut.field_address<18>(g);
-    case 1: return lut.field_address<12>(g);
-    case 2: return lut.field_address<6>(g);
-    default: return lut.field_address<0>(g);
-  }
-}
+__device__ __forceinline__ u32 field_entry(const Lut& lut, u32 g, int f) { return lut.field_address(g, 18 - 6 * f); }
 
 // A operands of k-step kk of S^T = K Q^T from the quarters `w0`, `w1` of the lane's two key rows: a0 / a1 = dims
 // 4kk, 4kk + 1 of rows 0 / 1 (A rows g, g + 8), a2 / a3 = dims 4kk + 2, 4kk + 3 (the Q^T fragment holds the same

@@ -686,23 +686,22 @@ __device__ __forceinline__ void accumulate_pv(WarpState<T>& st, const float (&p)
       const float q0 = p0 * v0, q1 = p1 * v1;
       const u32 lo = transpose8x8(pack2<F16PV>(q0, q0));  // keys of S^T rows 0-7: value rows value_row(0/1, t)
       const u32 hi = transpose8x8(pack2<F16PV>(q1, q1));  // rows 8-15: value_row(2/3, t)
+      // The A operands of key pair `kp` for m-tile m: rows g / g+8, half j': dims (D/8)g + 4m + 2j' and the next one
+      // (operand index 2m + j').
+      auto operands = [&](int kp, int m, u32(&o)[2][2]) {
+        if constexpr (T::ValueCode::kWide) {
+          values.pairs(lut_v, kp, m, o);
+        } else {
+          values.pair(lut_v, kp, 2 * m, o[0][0], o[0][1]);
+          values.pair(lut_v, kp, 2 * m + 1, o[1][0], o[1][1]);
+        }
+      };
 #pragma unroll
       for (int m = 0; m < T::kPVTiles; ++m) {
-        // rows g / g+8 of m-tile m, half j': dims (D/8)g + 4m + 2j' and the next one (operand index 2m + j')
         u32 a[2][2], c[2][2];
-        if constexpr (T::ValueCode::kWide) {
-          values.pairs(lut_v, 0, m, a);
-        } else {
-          values.pair(lut_v, 0, 2 * m, a[0][0], a[0][1]);
-          values.pair(lut_v, 0, 2 * m + 1, a[1][0], a[1][1]);
-        }
+        operands(0, m, a);
         mma16816<F16PV>(st.acc[m], a[0][0], a[0][1], a[1][0], a[1][1], lo & even_g, lo & ~even_g);
-        if constexpr (T::ValueCode::kWide) {
-          values.pairs(lut_v, 1, m, c);
-        } else {
-          values.pair(lut_v, 1, 2 * m, c[0][0], c[0][1]);
-          values.pair(lut_v, 1, 2 * m + 1, c[1][0], c[1][1]);
-        }
+        operands(1, m, c);
         mma16816<F16PV>(st.acc[m], c[0][0], c[0][1], c[1][0], c[1][1], hi & even_g, hi & ~even_g);
       }
     }
