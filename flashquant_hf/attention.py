@@ -211,9 +211,11 @@ def _merged_torch(
 
 @contextlib.contextmanager
 def one_thread():
-    """torch's intra-op threads set to 1 inside the block (a process-wide setting), restored after it: small ops
-    gain nothing from a second thread, and on an oversubscribed CPU every OpenMP region of a 2-thread pool waits for
-    a descheduled thread (measured on a shared 2-core runner: 10-20 ms per small op)."""
+    """torch's intra-op threads set to 1 inside the block and the caller's count put back after it, also when the
+    block raises: small ops gain nothing from a second thread, and on an oversubscribed CPU every parallel region of
+    a 2-thread pool waits for a descheduled thread (measured on a shared 2-core runner: 10-20 ms per small op; a
+    SmolLM2 decode step at 1K context 0.2 s instead of 1.5-3.3 s). torch.set_num_threads is the one switch that also
+    reaches the MKL matmuls: an OpenMP limit of the calling thread alone left the step as slow."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from attention_helpers import causal_mask, float64_attention
 
-from flashquant_hf import TurboQuantConfig, TurboQuantLayer, ops
+from flashquant_hf import TurboQuantConfig, TurboQuantLayer, attention, ops
 from flashquant_hf.attention import compressed_attention
 from flashquant_hf.masks import mask_to_bias
 from flashquant_hf.tags import TAG
@@ -77,15 +77,38 @@ def test_a_row_that_sees_nothing_gives_zeros():
     assert torch.isfinite(got).all() and not got[1, 0].any() and got[1, 1].abs().sum() > 0
 
 
-def test_decode_runs_on_one_thread_and_restores_the_callers_threads():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_runs_on_one_thread_and_leaves_the_callers_threads(threads, monkeypatch):
     layer, plan, query = _layer_with_query(4, 4, 1, 6, seed=11)
+    inside = []
+    rows = attention._merged_rows
+    monkeypatch.setattr(attention, "_merged_rows", lambda *args: inside.append(torch.get_num_threads()) or rows(*args))
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     try:
         got = compressed_attention(plan, query, None, scaling=0.125)
-        assert torch.get_num_threads() == 2
+        after = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+    assert inside == [1] and after == threads
     keys, values = layer.dequantize(torch.float64)
     expected = float64_attention(query, keys, values, None, 0.125)
     assert (got.double() - expected).abs().max().item() < 2e-5
+
+
+def test_a_failing_decode_leaves_the_callers_threads(monkeypatch):
+    layer, plan, query = _layer_with_query(4, 4, 1, 6, seed=12)
+
+    def fail(*args):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(attention, "_merged_rows", fail)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            compressed_attention(plan, query, None, scaling=0.125)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert after == 2
