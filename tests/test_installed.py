@@ -61,6 +61,8 @@ def test_distribution_declares_its_license_and_extras():
     assert "Apache License" in licenses[0].read_text() and "END OF TERMS AND CONDITIONS" in licenses[0].read_text()
     requires = meta.get_all("Requires-Dist")
     assert any(r.startswith("cupy-cuda13x[ctk]") and 'extra == "cuda"' in r for r in requires), requires
+    # The README's main command installs `.[gguf]` only: the embedded model's loader needs nothing else.
+    assert [r.split(";")[0].strip() for r in requires if 'extra == "gguf"' in r] == ["gguf>=0.10"], requires
 
 
 def test_kernel_sources_resolve_through_the_installed_package():

@@ -11,7 +11,7 @@ from .errors import EvalInputError
 from .specs import PRESETS, parse_cache_spec, unique_names
 from .text import DEFAULT_TEXT
 
-DEFAULT_CONFIGS = ("tq4", "tq3", "tq4-r0")
+DEFAULT_CONFIGS = ("tq4", "tq3")  # the presets; tq4-r0 (every token compressed) on request
 DEFAULT_PREFIX = 1024
 DEFAULT_TOKENS = 384
 
