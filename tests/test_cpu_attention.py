@@ -61,7 +61,6 @@ def test_cpu_path_matches_float64_and_the_reference_path(key_bits, value_bits, q
 def test_split_codes_and_soft_capping_take_the_cpu_path_too():
     layer, plan, query = _layer_with_query(3, 3, 1, 6, seed=5, outlier_channels=8, key_qjl=True)
     assert not layer.is_plain
-    total = layer.get_seq_length()
     keys, values = layer.dequantize(torch.float64)
     expected = float64_attention(query, keys, values, None, 0.125, softcap=3.0)
     got = compressed_attention(plan, query, None, scaling=0.125, softcap=3.0)

@@ -115,7 +115,9 @@ def fast_divider(divisor: int) -> tuple[np.uint32, np.uint32, np.uint32]:
     return np.uint32(divisor), np.uint32(magic), np.uint32(shift)
 
 
-def collapse_rows(shape: Sequence[int], *strides: Sequence[int], max_dims: int = 3) -> tuple[list[int], list[list[int]]] | None:
+def collapse_rows(
+    shape: Sequence[int], *strides: Sequence[int], max_dims: int = 3
+) -> tuple[list[int], list[list[int]]] | None:
     """Collapse leading dimensions that several tensors traverse alike.
 
     ``shape`` are the leading sizes shared by the tensors, ``strides`` one list of element strides per tensor.

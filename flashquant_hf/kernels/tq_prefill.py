@@ -341,7 +341,8 @@ def launch_tq_prefill(
 def choose_splits(q_rot: torch.Tensor, kv_heads: int, kv_len: int, k_bits: int, v_bits: int, config: TileConfig) -> int:
     """Key splits for this launch: enough CTAs for one full wave on this GPU, never below 4 tiles per split."""
     batch, q_heads, q_len, head_dim = q_rot.shape
-    return _splits(loader.device_index(q_rot.device), batch, q_heads, q_len, head_dim, kv_heads, kv_len, k_bits, v_bits, config)
+    return _splits(loader.device_index(q_rot.device), batch, q_heads, q_len, head_dim, kv_heads, kv_len, k_bits, v_bits,
+                   config)
 
 
 @functools.lru_cache(maxsize=4096)
