@@ -6,8 +6,8 @@ prefill is attended with exact K/V whatever it stores. The question is then fed 
 generated greedily, both attending over what the cache stored (compressed K/V outside the exact sinks and window).
 
 The haystack before the needle is the same for every trial of one length, and causal attention makes its K/V
-independent of what follows: they are computed once per length and only the needle and the filler after it are
-run per trial.
+independent of what follows: they are computed once per length, up to the deepest needle asked for, and only the
+needle and the filler after it are run per trial.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .needle import ANSWER_TOKENS, NeedlePrompt, PromptParts, build_prompt, filler_units, is_correct, pass_key
+from .needle import ANSWER_TOKENS, NeedlePrompt, PromptParts, build_prompt, is_correct, pass_key
 from .perplexity import forward_kwargs, kv_elements, kv_nbytes
 from .runner import BF16_BYTES, build_cache
 from .specs import DYNAMIC, CacheSpec, config_as_dict
@@ -170,12 +170,16 @@ def run_retrieval(
     trials: list[Trial] = []
     with _progress(len(lengths) * len(depths) * needles, progress) as bar:
         for length_idx, length in enumerate(lengths):
-            # Needle-free, and at least as long as the filler before any needle of this length.
-            shared_ids = parts.head + parts.unit * filler_units(parts, 0, length)
+            prompts = {(depth, index): build_prompt(tokenizer, parts, length, depth,
+                                                    pass_key(seed, length, depth, index))
+                       for depth in depths for index in range(needles)}
+            # Needle-free: the head and the filler before the deepest needle of this length, and no further.
+            deepest = max(prompts.values(), key=lambda p: p.needle_start)
+            shared_ids = deepest.context[: deepest.needle_start]
             shared = prefill_states(model, shared_ids)
             for depth in depths:
                 for index in range(needles):
-                    prompt = build_prompt(tokenizer, parts, length, depth, pass_key(seed, length, depth, index))
+                    prompt = prompts[(depth, index)]
                     cut = prompt.needle_start
                     assert prompt.context[:cut] == shared_ids[:cut], "the needle-free prefix must be shared"
                     prefix = [(k[:, :, :cut], v[:, :, :cut]) for k, v in shared]
