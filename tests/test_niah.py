@@ -212,25 +212,78 @@ def test_heatmap_and_table_from_a_document(tmp_path):
     assert save_heatmaps(tmp_path / "h.png", doc).read_bytes()[:4] == b"\x89PNG"
 
 
-def _document(lengths, depths, names=("dynamic", "tq4"), seed=0):
-    rows = [{"name": name, "config": None, **{key: [f"{name}-{key}-{n}" for n in lengths] for key in
-             ("correct", "needles", "accuracy", "cells", "kv_bytes", "bf16_kv_bytes", "compression")}}
-            for name in names]
+def _document(lengths, depths, names=("dynamic", "tq4"), seed=0, needles=2):
+    """A run's document: row r answers int(10 * length + 100 * depth + r) % (needles + 1) needles per cell."""
+    rows = []
+    for r, name in enumerate(names):
+        hits = [[int(10 * n + 100 * d + r) % (needles + 1) for d in depths] for n in lengths]
+        rows.append({
+            "name": name, "config": None if r == 0 else {"bits": 4},
+            "correct": [sum(line) for line in hits], "needles": [needles * len(depths)] * len(lengths),
+            "accuracy": [sum(line) / (needles * len(depths)) for line in hits],
+            "cells": [[h / needles for h in line] for line in hits],
+            **{key: [f"{name}-{key}-{n}" for n in lengths] for key in ("kv_bytes", "bf16_kv_bytes", "compression")},
+        })
     trials = [{"length": n, "depth": d} for n in lengths for d in depths]
-    return {"model": "m", "depths": depths, "needles_per_cell": 1, "seed": seed, "lengths": lengths,
+    return {"model": "m", "depths": depths, "needles_per_cell": needles, "seed": seed, "lengths": lengths,
             "wall_s": 1.5, "results": rows, "trials": trials}
 
 
 def test_merge_runs_joins_lengths_in_order():
-    merged = merge_runs([_document([8192], [0.0, 1.0]), _document([1024, 4096], [0.0, 1.0])])
-    assert merged["lengths"] == [1024, 4096, 8192] and merged["wall_s"] == 3.0
-    for row in merged["results"]:
-        assert row["kv_bytes"] == [f"{row['name']}-kv_bytes-{n}" for n in (1024, 4096, 8192)]
-        assert row["cells"] == [f"{row['name']}-cells-{n}" for n in (1024, 4096, 8192)]
+    depths = [0.0, 1.0]
+    merged = merge_runs([_document([8192], depths), _document([1024, 4096], depths)])
+    whole = _document([1024, 4096, 8192], depths)
+    assert merged["lengths"] == [1024, 4096, 8192] and merged["depths"] == depths and merged["wall_s"] == 3.0
+    for row, expected in zip(merged["results"], whole["results"]):
+        for key in ("correct", "needles", "accuracy", "cells", "kv_bytes", "compression"):
+            assert row[key] == expected[key], key
     assert [t["length"] for t in merged["trials"]] == [1024, 1024, 4096, 4096, 8192, 8192]
+
+
+def test_merge_runs_joins_depths_of_one_length():
+    """Runs over disjoint depths of one length (and another length) merge to the run over all of them."""
+    merged = merge_runs([_document([8192], [0.0, 0.5, 1.0]), _document([8192], [0.25, 0.75]),
+                         _document([4096], [0.0, 0.25, 0.5, 0.75, 1.0])])
+    whole = _document([4096, 8192], [0.0, 0.25, 0.5, 0.75, 1.0])
+    assert merged["lengths"] == [4096, 8192] and merged["depths"] == whole["depths"] and merged["wall_s"] == 4.5
+    for row, expected in zip(merged["results"], whole["results"]):
+        assert row["config"] == expected["config"]
+        for key in ("correct", "needles", "accuracy", "cells", "kv_bytes", "compression"):
+            assert row[key] == expected[key], key
+    assert [(t["length"], t["depth"]) for t in merged["trials"]] == [(t["length"], t["depth"]) for t in whole["trials"]]
+
+
+def test_merge_runs_leaves_missing_cells_empty_and_refuses_mismatched_runs():
+    merged = merge_runs([_document([8192], [0.0]), _document([4096], [1.0])])
+    assert merged["depths"] == [0.0, 1.0]
+    for row in merged["results"]:
+        assert row["cells"][0][0] is None and row["cells"][1][1] is None
+        assert row["cells"][0][1] is not None and row["cells"][1][0] is not None
     with pytest.raises(ValueError, match="seed"):
         merge_runs([_document([1024], [0.0]), _document([2048], [0.0], seed=1)])
-    with pytest.raises(ValueError, match="overlap"):
-        merge_runs([_document([1024], [0.0]), _document([1024], [0.0])])
+    with pytest.raises(ValueError, match="overlap.*1024 tokens, depth 0.5"):
+        merge_runs([_document([1024], [0.0, 0.5]), _document([1024], [0.5, 1.0])])
     with pytest.raises(ValueError, match="caches"):
         merge_runs([_document([1024], [0.0]), _document([2048], [0.0], names=("dynamic",))])
+    with pytest.raises(ValueError, match="needles_per_cell"):
+        merge_runs([_document([1024], [0.0]), _document([2048], [0.0], needles=3)])
+
+
+def test_niah_merge_command_writes_the_merged_document(tmp_path, capsys):
+    runs = [_document([8192], [0.0, 0.5, 1.0]), _document([8192], [0.25, 0.75])]
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    out_json, out_png = tmp_path / "merged.json", tmp_path / "merged.png"
+    rc = main(["niah", "--merge", *map(str, paths), "--json", str(out_json), "--plot", str(out_png)])
+    stdout = capsys.readouterr().out
+    assert rc == 0 and json.loads(out_json.read_text()) == merge_runs(runs)
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+    correct = merge_runs(runs)["results"][1]["correct"][0]
+    assert stdout.splitlines()[-3].split()[:2] == ["tq4", f"{correct}/10"]  # the table's last row, then "wrote"
+    (tmp_path / "bad.json").write_text("{")
+    for argv in ([str(paths[0]), str(tmp_path / "bad.json")], [str(paths[0]), str(paths[0])]):
+        rc = main(["niah", "--merge", *argv])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and "`--merge`" in err, err

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 from .command import add_run_arguments, argument_type, positive_int, prepare_run
 from .errors import EvalInputError
@@ -45,6 +47,9 @@ def add_niah_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--config", action="append", metavar="SPEC", dest="configs",
                         help="a cache configuration to evaluate (repeatable; see below)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="instead of running: merge the --json files of runs over other lengths, or other depths "
+                        "of one length (same needles, seed and caches), and write them as one --json / --plot")
     add_run_arguments(parser, plot_help="write the accuracy heat-maps (PNG)")
     return parser
 
@@ -57,6 +62,8 @@ def run_niah(args: argparse.Namespace) -> int:
     from .report import write_json
     from .retrieval import run_retrieval
 
+    if args.merge:
+        return _merge(args)
     started = time.perf_counter()
     specs = [parse_cache_spec(spec) for spec in (args.configs or DEFAULT_CONFIGS)]
     unique_names(specs)
@@ -78,6 +85,35 @@ def run_niah(args: argparse.Namespace) -> int:
         "depths": depths, "needles_per_cell": args.needles, "seed": args.seed, "device": str(device),
         "dtype": str(dtype).removeprefix("torch."), "wall_s": wall_s, **document,
     }
+    if args.json:
+        print(f"wrote {write_json(args.json, document)}")
+    if args.plot:
+        print(f"wrote {save_heatmaps(args.plot, document)}")
+    return 0
+
+
+def _read_document(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise EvalInputError(f"`--merge` {path!r} is not a readable niah --json file: {err}") from None
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """``--merge``: one document (table, --json, --plot) from the documents of several runs."""
+    from .heatmap import format_accuracy, save_heatmaps
+    from .report import check_writable, write_json
+    from .retrieval import merge_runs
+
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_writable(path, option)
+    try:
+        document = merge_runs([_read_document(path) for path in args.merge])
+    except (KeyError, TypeError, ValueError) as err:
+        raise EvalInputError(f"`--merge`: the runs cannot be merged: {err}") from None
+    print(f"model {document['model']} | pass key | {len(args.merge)} runs merged")
+    print(format_accuracy(document["results"], document["lengths"]))
     if args.json:
         print(f"wrote {write_json(args.json, document)}")
     if args.plot:

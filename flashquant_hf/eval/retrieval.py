@@ -6,8 +6,8 @@ prefill is attended with exact K/V whatever it stores. The question is then fed 
 generated greedily, both attending over what the cache stored (compressed K/V outside the exact sinks and window).
 
 The haystack before the needle is the same for every trial of one length, and causal attention makes its K/V
-independent of what follows: they are computed once per length and only the needle and the filler after it are
-run per trial.
+independent of what follows: they are computed once per length, up to the deepest needle asked for, and only the
+needle and the filler after it are run per trial.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .needle import ANSWER_TOKENS, NeedlePrompt, PromptParts, build_prompt, filler_units, is_correct, pass_key
+from .needle import ANSWER_TOKENS, NeedlePrompt, PromptParts, build_prompt, is_correct, pass_key
 from .perplexity import forward_kwargs, kv_elements, kv_nbytes
 from .runner import BF16_BYTES, build_cache
 from .specs import DYNAMIC, CacheSpec, config_as_dict
@@ -170,12 +170,16 @@ def run_retrieval(
     trials: list[Trial] = []
     with _progress(len(lengths) * len(depths) * needles, progress) as bar:
         for length_idx, length in enumerate(lengths):
-            # Needle-free, and at least as long as the filler before any needle of this length.
-            shared_ids = parts.head + parts.unit * filler_units(parts, 0, length)
+            prompts = {(depth, index): build_prompt(tokenizer, parts, length, depth,
+                                                    pass_key(seed, length, depth, index))
+                       for depth in depths for index in range(needles)}
+            # Needle-free: the head and the filler before the deepest needle of this length, and no further.
+            deepest = max(prompts.values(), key=lambda p: p.needle_start)
+            shared_ids = deepest.context[: deepest.needle_start]
             shared = prefill_states(model, shared_ids)
             for depth in depths:
                 for index in range(needles):
-                    prompt = build_prompt(tokenizer, parts, length, depth, pass_key(seed, length, depth, index))
+                    prompt = prompts[(depth, index)]
                     cut = prompt.needle_start
                     assert prompt.context[:cut] == shared_ids[:cut], "the needle-free prefix must be shared"
                     prefix = [(k[:, :, :cut], v[:, :, :cut]) for k, v in shared]
@@ -226,27 +230,51 @@ PER_LENGTH = ("correct", "needles", "accuracy", "cells", "kv_bytes", "bf16_kv_by
 
 
 def merge_runs(documents: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One ``niah`` document from runs over different lengths with the same depths, needles, seed and caches.
+    """One ``niah`` document from runs over different lengths, or different depths of one length.
 
-    Per-length fields are joined in length order, trials kept, ``wall_s`` summed; the rest is the first run's.
+    The runs must share the model, needles per cell, seed and caches, and no (length, depth) cell may be in two
+    runs. Lengths and depths are the union of the runs', in order; a length's counts are summed over the runs
+    that hold it, its cells taken from the run that holds each depth (None where no run does), and its byte
+    counts from the first run that holds it. Trials are kept, ``wall_s`` summed; the rest is the first run's.
     """
     first = documents[0]
     for doc in documents[1:]:
-        for key in ("model", "depths", "needles_per_cell", "seed"):
+        for key in ("model", "needles_per_cell", "seed"):
             if doc[key] != first[key]:
                 raise ValueError(f"runs differ in `{key}`: {first[key]!r} and {doc[key]!r}")
         if [r["name"] for r in doc["results"]] != [r["name"] for r in first["results"]]:
             raise ValueError("runs differ in their caches")
-    where = {n: (doc, i) for doc in documents for i, n in enumerate(doc["lengths"])}
-    if len(where) != sum(len(doc["lengths"]) for doc in documents):
-        raise ValueError("runs overlap in their lengths")
-    lengths = sorted(where)
+    where: dict[tuple[int, float], tuple[dict[str, Any], int, int]] = {}  # (length, depth) -> (run, indices)
+    for doc in documents:
+        for i, length in enumerate(doc["lengths"]):
+            for j, depth in enumerate(doc["depths"]):
+                if (length, depth) in where:
+                    raise ValueError(f"runs overlap in their lengths and depths: {length} tokens, depth {depth}")
+                where[(length, depth)] = (doc, i, j)
+    lengths = sorted({length for length, _ in where})
+    depths = sorted({depth for _, depth in where})
     results = []
     for row_idx, row in enumerate(first["results"]):
-        merged = dict(row)
-        for key in PER_LENGTH:
-            merged[key] = [where[n][0]["results"][row_idx][key][where[n][1]] for n in lengths]
+        merged = {**row, **{key: [] for key in PER_LENGTH}}
+        for length in lengths:
+            runs = {id(doc): (doc["results"][row_idx], i) for (n, _), (doc, i, _) in where.items() if n == length}
+            sources = list(runs.values())
+            correct = sum(source["correct"][i] for source, i in sources)
+            needles = sum(source["needles"][i] for source, i in sources)
+            cells = []
+            for depth in depths:
+                doc, i, j = where.get((length, depth), (None, 0, 0))
+                cells.append(None if doc is None else doc["results"][row_idx]["cells"][i][j])
+            source, i = sources[0]
+            merged["correct"].append(correct)
+            merged["needles"].append(needles)
+            merged["accuracy"].append(correct / needles if needles else None)
+            merged["cells"].append(cells)
+            for key in ("kv_bytes", "bf16_kv_bytes", "compression"):
+                merged[key].append(source[key][i])
+        merged["config"] = next((d["results"][row_idx]["config"] for d in documents
+                                 if d["results"][row_idx]["config"] is not None), None)
         results.append(merged)
-    trials = sorted((t for doc in documents for t in doc["trials"]), key=lambda t: t["length"])
+    trials = sorted((t for doc in documents for t in doc["trials"]), key=lambda t: (t["length"], t["depth"]))
     wall_s = sum(doc.get("wall_s", 0.0) for doc in documents)
-    return {**first, "lengths": lengths, "wall_s": wall_s, "results": results, "trials": trials}
+    return {**first, "lengths": lengths, "depths": depths, "wall_s": wall_s, "results": results, "trials": trials}
