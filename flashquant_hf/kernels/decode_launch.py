@@ -510,6 +510,7 @@ class PreparedDecode:
     decode: loader.PreparedLaunch
     merge: loader.PreparedLaunch | None
     workspace: tuple[torch.Tensor, torch.Tensor] | None  # the partials the merge reads (kept alive here)
+    partials: tuple[int, int] | None  # their addresses
     options: tuple[str, ...]  # the decode build's NVRTC options
 
     @classmethod
@@ -522,7 +523,8 @@ class PreparedDecode:
             rows = merge_args[-2]
             merge = loader.PreparedLaunch(setup.merge, setup.merge_ptr, merge_partials.merge_grid(rows),
                                           merge_partials.MERGE_THREADS, merge_args, index)
-        return cls(decode, merge, workspace, setup.options)
+        partials = None if workspace is None else (workspace[0].data_ptr(), workspace[1].data_ptr())
+        return cls(decode, merge, workspace, partials, setup.options)
 
     def __call__(self, inputs: tuple[int, ...], out: int, lse: int) -> None:
         # Inside a CUDA-graph capture the launches are ordinary ones: the captured graph orders its kernels itself.
@@ -530,20 +532,19 @@ class PreparedDecode:
         if self.merge is None:
             self.decode((*inputs, out, lse), programmatic)
             return
-        part_out, part_lse = self.workspace[0].data_ptr(), self.workspace[1].data_ptr()
+        part_out, part_lse = self.partials
         self.decode((*inputs, part_out, part_lse), programmatic)
         self.merge((part_out, part_lse, out, lse), programmatic)
 
 
 @dataclass(frozen=True)
 class PreparedCall:
-    """A wrapper's prepared decode (:class:`PreparedDecode`) with what a reuse must still check per call: the
-    device and the byte alignment of the key and value code addresses (shapes, strides and dtypes are in the
-    signature it is stored under)."""
+    """A wrapper's prepared decode (:class:`PreparedDecode`) with what a reuse must still check per call: the byte
+    alignment of the addresses its build assumed (shapes, strides, dtypes and devices are in the signature it is
+    stored under; torch's current device must be the launch's)."""
 
     launch: PreparedDecode
-    index: int
-    alignment: tuple[int, ...]  # per code / norm address the wrapper checks (bytes)
+    alignment: tuple[int, ...]  # per address the wrapper checks (bytes)
 
 
 _PREPARED: dict[tuple, PreparedCall] = {}
@@ -563,19 +564,18 @@ def call_signature(wrapper: str, tensors: tuple, *values: Any) -> tuple | None:
 def prepared_call(signature: tuple | None) -> PreparedCall | None:
     """The call prepared under ``signature``, if it is usable now (torch's current device is its device)."""
     found = _PREPARED.get(signature) if signature is not None and FAST_LAUNCH else None
-    if found is not None and torch.cuda.current_device() == found.index:
+    if found is not None and torch.cuda.current_device() == found.launch.decode.device_index:
         return found
     return None
 
 
-def remember_call(signature: tuple | None, launch: PreparedDecode | None, index: int,
-                  alignment: tuple[int, ...]) -> None:
+def remember_call(signature: tuple | None, launch: PreparedDecode | None, alignment: tuple[int, ...]) -> None:
     """Keep a checked call's prepared launch for later calls of the same signature."""
     if signature is None or launch is None:
         return
     if len(_PREPARED) >= _CACHE_LIMIT:
         _PREPARED.clear()
-    _PREPARED[signature] = PreparedCall(launch, index, alignment)
+    _PREPARED[signature] = PreparedCall(launch, alignment)
 
 
 def check_query(q_rot: torch.Tensor, rank: int, layout: str) -> None:

@@ -69,7 +69,7 @@ def paged_decode(
     prepared = prepared_call(signature)
     if prepared is not None:
         address = blocks.data_ptr()
-        if not address % 16:
+        if not address % prepared.alignment[0]:
             num_seqs, q_heads, head_dim = q_rot.shape
             out = torch.empty(num_seqs, q_heads, head_dim, dtype=torch.float32, device=q_rot.device)
             lse = torch.empty(num_seqs, q_heads, dtype=torch.float32, device=q_rot.device)
@@ -102,5 +102,5 @@ def paged_decode(
         MODE_PAGED, q_rot, tuple(q_rot.stride()), tensor_args, num_seqs, kv_heads, group, max_len,
         (k_centroids, v_centroids), (k_bits, v_bits), scale, out, lse, layout.log2_block_size,
     )
-    remember_call(signature, launched, q_rot.device.index, (16, 16))
+    remember_call(signature, launched, (16,))  # the blocks' address
     return out, lse

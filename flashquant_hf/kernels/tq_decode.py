@@ -97,10 +97,12 @@ def tq_decode(
     launched = launch_contiguous(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits,
                                  v_bits, scale, key_bias, out, lse)
     if launched is not None:  # later calls check what this one's build assumed of the addresses
-        staged = TMA_OPTION in launched.options
-        alignment = (16 if staged else slice_alignment(head_dim, k_bits, keys=True), 16 if staged else 4,
-                     16 if staged else slice_alignment(head_dim, v_bits, keys=False), 16 if staged else 4)
-        remember_call(signature, launched, q_rot.device.index, alignment)
+        if TMA_OPTION in launched.options:  # every run bulk-copied
+            alignment = (16, 16, 16, 16)
+        else:
+            alignment = (slice_alignment(head_dim, k_bits, keys=True), 4, slice_alignment(head_dim, v_bits, keys=False),
+                         4)
+        remember_call(signature, launched, alignment)
     return out, lse
 
 
