@@ -740,7 +740,8 @@ __device__ __forceinline__ float load_cg(const float* p) {  // L2 only: other CT
 
 __device__ __forceinline__ float4 load_cg4(const float* p) {
   float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
   return v;
 }
 
@@ -787,6 +788,7 @@ __device__ __forceinline__ void merge_if_last(float* scratch, const float* part_
   }
   __syncthreads();
   constexpr int kQuads = D / 4;
+  constexpr int kInFlight = 8;  // partial rows read before the first is used
   for (int i = tid; i < nh * kQuads; i += kThreads) {
     const int hh = i / kQuads, d = 4 * (i - hh * kQuads);
     const long long row = row0 + hh;
@@ -794,14 +796,20 @@ __device__ __forceinline__ void merge_if_last(float* scratch, const float* part_
     const float sum = row_sum[hh];
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (sum > 0.f) {
-#pragma unroll 4
-      for (int s = 0; s < splits; ++s) {
-        const float ws = w[s];
-        const float4 v = load_cg4(part_out + (s * rows + row) * D + d);
-        // An empty split (weight 0) may hold anything: select, so it neither counts nor turns acc into NaN.
-        if (ws != 0.f) {
-          acc.x = fmaf(ws, v.x, acc.x), acc.y = fmaf(ws, v.y, acc.y);
-          acc.z = fmaf(ws, v.z, acc.z), acc.w = fmaf(ws, v.w, acc.w);
+      for (int s0 = 0; s0 < splits; s0 += kInFlight) {
+        float4 v[kInFlight];
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) {
+          if (s0 + j < splits) v[j] = load_cg4(part_out + (static_cast<long long>(s0 + j) * rows + row) * D + d);
+        }
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) {
+          // An empty split (weight 0) may hold anything: skipped, so it neither counts nor turns acc into NaN.
+          const float ws = s0 + j < splits ? w[s0 + j] : 0.f;
+          if (ws != 0.f) {
+            acc.x = fmaf(ws, v[j].x, acc.x), acc.y = fmaf(ws, v[j].y, acc.y);
+            acc.z = fmaf(ws, v[j].z, acc.z), acc.w = fmaf(ws, v[j].w, acc.w);
+          }
         }
       }
       const float inv = 1.f / sum;

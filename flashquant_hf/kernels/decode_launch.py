@@ -356,11 +356,16 @@ def _workspace(device_index: int, splits: int, rows: int, head_dim: int,
     )
 
 
+# Plans of up to this many splits merge them in the decode kernel (one round of partial reads per output element);
+# longer plans (B=1 at 128K keys: 32 splits) launch merge_partials.cu, whose warps read 32 splits at once.
+MERGE_IN_KERNEL_SPLITS = 8
+
+
 def merges_in_kernel(plan: DecodePlan, heads: int) -> bool:
     """Whether the decode merges its splits itself (the last CTA of each unit, ``merge_if_last`` in
-    ``cuda/tq_decode.cu``): plans of several splits whose per-unit weights fit the kernel's shared memory. Others
-    launch ``merge_partials.cu`` after it."""
-    return plan.splits > 1 and 4 * (24 + heads * plan.splits) <= plan.shared_mem
+    ``cuda/tq_decode.cu``): plans of 2 to MERGE_IN_KERNEL_SPLITS splits whose per-unit weights fit the kernel's
+    shared memory. Others launch ``merge_partials.cu`` after it."""
+    return 1 < plan.splits <= MERGE_IN_KERNEL_SPLITS and 4 * (24 + heads * plan.splits) <= plan.shared_mem
 
 
 @dataclass(frozen=True)
