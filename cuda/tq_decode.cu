@@ -754,16 +754,21 @@ __device__ __forceinline__ void merge_if_last(float* scratch, const float* part_
   float* const row_max = scratch + 8;   // [nh <= 8]
   float* const row_sum = scratch + 16;  // [nh]
   float* const weight = scratch + 24;   // [nh][splits]: the partials' lse, then their weights
-  __threadfence();  // this thread's partial, visible GPU-wide before the count
-  __syncthreads();
+  __syncthreads();  // the CTA's partial is written (and the scratch memory no longer read)
   if (tid == 0) {
+    // The fences order the CTA's partial (seen through the barrier) before the count, and the other CTAs' partials
+    // before the merge reads them (as a cooperative grid sync does).
+    __threadfence();
     const unsigned int arrived = atomicAdd(arrivals, 1u);
-    *last = arrived == static_cast<unsigned int>(splits - 1);
-    if (*last) *arrivals = 0u;
+    const bool is_last = arrived == static_cast<unsigned int>(splits - 1);
+    if (is_last) {
+      *arrivals = 0u;
+      __threadfence();
+    }
+    *last = is_last;
   }
   __syncthreads();
   if (*last == 0u) return;
-  __threadfence();
   for (int j = tid; j < nh * splits; j += kThreads) {
     const int hh = j / splits;
     weight[j] = load_cg(part_lse + static_cast<long long>(j - hh * splits) * rows + row0 + hh);
