@@ -324,11 +324,11 @@ def _tq4(record, dl, dev) -> None:
         if tag == "b8_n32k":
             sdpa_b8 = sdpa
             record(f"paged_decode_hbm_fraction_{tag}", tq_bytes / (ms * 1e-3) / (bw * 1e9), "fraction", ">= 0.75")
-            # The merge kernel alone (the decode merges in the kernel where its plan allows, see merges_in_kernel)
-            part_out = torch.zeros(max(2, plan.splits), batch * Q_HEADS, HEAD_DIM, device=dev)
-            part_lse = torch.zeros(max(2, plan.splits), batch * Q_HEADS, device=dev)
+            part_out, part_lse = dl._workspace(index, max(2, plan.splits), batch * Q_HEADS, HEAD_DIM)
             out = torch.empty(batch * Q_HEADS, HEAD_DIM, device=dev)
             lse = torch.empty(batch * Q_HEADS, device=dev)
+            part_out.zero_()
+            part_lse.zero_()
             merge = 0.0
             if plan.splits > 1:
                 merge = event_ms(lambda _: launch_merge(part_out, part_lse, out, lse), [None], calls=CALLS)

@@ -725,110 +725,8 @@ __device__ __forceinline__ int red_col(int row, int d) {
   return d ^ (2 * x);
 }
 
-// Split-K with the merge in the kernel: every CTA of a unit counts its written partial in `*arrivals`; the last to
-// arrive merges the unit's nh rows over all gridDim.x splits into out / lse with merge_partials.cu's log-sum-exp
-// weights, and zeroes the count for the next launch (which waits for this grid before it counts). This saves the
-// merge launch (host time) and the merge grid's wait on the decode's last CTA. `scratch`: shared memory of at least
-// merge_scratch_floats(nh, splits) floats that this CTA no longer reads.
-__host__ __device__ constexpr int merge_scratch_floats(int nh, int splits) { return 24 + nh * splits; }
-
-__device__ __forceinline__ float load_cg(const float* p) {  // L2 only: other CTAs wrote it
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ float4 load_cg4(const float* p) {
-  float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-  return v;
-}
-
-template <int D, int kThreads>
-__device__ __forceinline__ void merge_if_last(float* scratch, const float* part_out, const float* part_lse,
-                                              float* out, float* lse, unsigned int* arrivals, int rows,
-                                              long long row0, int nh) {
-  const int splits = gridDim.x, tid = threadIdx.x, lane = tid & 31;
-  unsigned int* const last = reinterpret_cast<unsigned int*>(scratch);
-  float* const row_max = scratch + 8;   // [nh <= 8]
-  float* const row_sum = scratch + 16;  // [nh]
-  float* const weight = scratch + 24;   // [nh][splits]: the partials' lse, then their weights
-  __syncthreads();  // the CTA's partial is written (and the scratch memory no longer read)
-  if (tid == 0) {
-    // The fences order the CTA's partial (seen through the barrier) before the count, and the other CTAs' partials
-    // before the merge reads them (as a cooperative grid sync does).
-    __threadfence();
-    const unsigned int arrived = atomicAdd(arrivals, 1u);
-    const bool is_last = arrived == static_cast<unsigned int>(splits - 1);
-    if (is_last) {
-      *arrivals = 0u;
-      __threadfence();
-    }
-    *last = is_last;
-  }
-  __syncthreads();
-  if (*last == 0u) return;
-  for (int j = tid; j < nh * splits; j += kThreads) {
-    const int hh = j / splits;
-    weight[j] = load_cg(part_lse + static_cast<long long>(j - hh * splits) * rows + row0 + hh);
-  }
-  __syncthreads();
-  for (int hh = tid >> 5; hh < nh; hh += kThreads / 32) {  // one warp per row
-    float* const w = weight + hh * splits;
-    float mx = -inf();
-    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, w[s]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    const float mx2 = mx * kLog2e;
-    float sum = 0.f;
-    for (int s = lane; s < splits; s += 32) {
-      const float e = mx == -inf() ? 0.f : ex2(fmaf(w[s], kLog2e, -mx2));  // 0 for an empty split
-      w[s] = e;
-      sum += e;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) row_max[hh] = mx, row_sum[hh] = sum;
-  }
-  __syncthreads();
-  constexpr int kQuads = D / 4;
-  constexpr int kInFlight = 8;  // partial rows read before the first is used
-  for (int i = tid; i < nh * kQuads; i += kThreads) {
-    const int hh = i / kQuads, d = 4 * (i - hh * kQuads);
-    const long long row = row0 + hh;
-    const float* const w = weight + hh * splits;
-    const float sum = row_sum[hh];
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (sum > 0.f) {
-      for (int s0 = 0; s0 < splits; s0 += kInFlight) {
-        float4 v[kInFlight];
-#pragma unroll
-        for (int j = 0; j < kInFlight; ++j) {
-          if (s0 + j < splits) v[j] = load_cg4(part_out + (static_cast<long long>(s0 + j) * rows + row) * D + d);
-        }
-#pragma unroll
-        for (int j = 0; j < kInFlight; ++j) {
-          // An empty split (weight 0) may hold anything: skipped, so it neither counts nor turns acc into NaN.
-          const float ws = s0 + j < splits ? w[s0 + j] : 0.f;
-          if (ws != 0.f) {
-            acc.x = fmaf(ws, v[j].x, acc.x), acc.y = fmaf(ws, v[j].y, acc.y);
-            acc.z = fmaf(ws, v[j].z, acc.z), acc.w = fmaf(ws, v[j].w, acc.w);
-          }
-        }
-      }
-      const float inv = 1.f / sum;
-      acc.x *= inv, acc.y *= inv, acc.z *= inv, acc.w *= inv;
-    }
-    *reinterpret_cast<float4*>(out + row * D + d) = acc;
-    if (d == 0) lse[row] = sum > 0.f ? row_max[hh] + lg2(sum) * kLn2 : -inf();
-  }
-}
-
 // Grid (splits, H_kv * head_groups, batch); block kThreads. Output row of query head hq of sequence b is
-// b * num_q_heads + hq; partial s of a row lives at part_out[(s * rows + row) * D], part_lse[s * rows + row]
-// (one split: the result itself). With `arrivals` (one zeroed counter per unit) the unit's last CTA also merges
-// its partials into out [rows, D] / lse [rows] (merge_if_last); without, merge_partials.cu merges them.
+// b * num_q_heads + hq; partial s of a row lives at part_out[(s * rows + row) * D], part_lse[s * rows + row].
 template <int D, int QK, int MODE, int W, int KB, int VB>
 __global__ void __launch_bounds__(Traits<D, W, KB, VB>::kThreads, Traits<D, W, KB, VB>::kMinBlocks)
 tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, long long q_sd,
@@ -841,8 +739,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
                  long long page_stride, int log2_bs, int num_keys,
                  const float* __restrict__ k_cent, const float* __restrict__ v_cent, float scale_log2,
                  int num_q_heads, int group, int split_len, int long_splits, int short_len,
-                 float* __restrict__ part_out, float* __restrict__ part_lse, float* __restrict__ out,
-                 float* __restrict__ lse, unsigned int* __restrict__ arrivals, int rows, int prefetch
+                 float* __restrict__ part_out,
+                 float* __restrict__ part_lse, int rows, int prefetch
                  ) {
   using T = Traits<D, W, KB, VB>;
   constexpr int kWarps = T::kWarps, kThreads = T::kThreads;
@@ -895,10 +793,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + hh;
       part_out[row * D + d] = 0.f;
       if (d == 0) part_lse[row] = -inf();
-    }
-    if (arrivals != nullptr) {
-      merge_if_last<D, kThreads>(reinterpret_cast<float*>(smem), part_out, part_lse, out, lse, arrivals + unit,
-                                 rows, static_cast<long long>(b) * num_q_heads + hq0, nh);
     }
     return;
   }
@@ -1189,10 +1083,6 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     const long long row = static_cast<long long>(split) * rows + static_cast<long long>(b) * num_q_heads + hq0 + hh;
     part_out[row * D + d] = o;
     if (d == 0) part_lse[row] = split_lse();
-  }
-  if (arrivals != nullptr) {
-    merge_if_last<D, kThreads>(red_acc, part_out, part_lse, out, lse, arrivals + unit, rows,
-                               static_cast<long long>(b) * num_q_heads + hq0, nh);
   }
 }
 

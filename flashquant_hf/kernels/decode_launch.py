@@ -344,28 +344,13 @@ def balance_places(plan: DecodePlan, units: int, length: int, sms: int, ctas_per
 
 
 @functools.lru_cache(maxsize=32)
-def _workspace(device_index: int, splits: int, rows: int, head_dim: int,
-               units: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Reused by every layer of a step: the merge that reads the partials is stream-ordered before the next decode
-    # writes them, and the merging CTA of each unit leaves its arrival count at zero again.
+def _workspace(device_index: int, splits: int, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Reused by every layer of a step: the merge that reads it is stream-ordered before the next decode writes.
     device = torch.device("cuda", device_index)
     return (
         torch.empty(splits, rows, head_dim, dtype=torch.float32, device=device),
         torch.empty(splits, rows, dtype=torch.float32, device=device),
-        torch.zeros(units, dtype=torch.int32, device=device),
     )
-
-
-# Plans of up to this many splits merge them in the decode kernel (one round of partial reads per output element);
-# longer plans (B=1 at 128K keys: 32 splits) launch merge_partials.cu, whose warps read 32 splits at once.
-MERGE_IN_KERNEL_SPLITS = 8
-
-
-def merges_in_kernel(plan: DecodePlan, heads: int) -> bool:
-    """Whether the decode merges its splits itself (the last CTA of each unit, ``merge_if_last`` in
-    ``cuda/tq_decode.cu``): plans of 2 to MERGE_IN_KERNEL_SPLITS splits whose per-unit weights fit the kernel's
-    shared memory. Others launch ``merge_partials.cu`` after it."""
-    return 1 < plan.splits <= MERGE_IN_KERNEL_SPLITS and 4 * (24 + heads * plan.splits) <= plan.shared_mem
 
 
 @dataclass(frozen=True)
@@ -443,19 +428,14 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
 
 
 def _decode_args(setup: _Launch, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, group: int,
-                 centroids: tuple[torch.Tensor, torch.Tensor], scale: float, outputs: tuple, rows: int) -> tuple:
-    """The kernel's arguments in order (tensors where it reads or writes memory). ``outputs``: part_out, part_lse,
-    out, lse, arrivals (see the kernel)."""
+                 centroids: tuple[torch.Tensor, torch.Tensor], scale: float, part_out, part_lse, rows: int) -> tuple:
+    """The kernel's arguments in order (tensors where it reads or writes memory)."""
     i64 = np.int64
     return (
         q3, i64(q_strides[0]), i64(q_strides[1]), i64(q_strides[2]), *tensor_args,
         centroids[0], centroids[1], np.float32(scale * LOG2E), q3.shape[1], group, *setup.plan.kernel_lengths,
-        *outputs, rows, setup.prefetch,
+        part_out, part_lse, rows, setup.prefetch,
     )
-
-
-def _address(t: torch.Tensor) -> np.uint64:
-    return np.uint64(t.data_ptr())
 
 
 def run_decode(
@@ -490,8 +470,7 @@ def run_decode(
     setup = _launch_for(mode, head_dim, QUERY_KINDS[q3.dtype], bits, index, units_shape(batch, kv_heads, group),
                         rows, length, log2_block_size, head_slots(group), runs_staged)
     plan = setup.plan
-    merge, merge_ptr, merged_splits = None, 0, plan.splits
-    workspace = None
+    merge, merge_ptr, merged_splits = setup.merge, setup.merge_ptr, plan.splits
     if extra is not None:
         merged_splits = plan.splits + 1
         part_out = torch.empty(merged_splits, rows, head_dim, dtype=torch.float32, device=q3.device)
@@ -499,27 +478,19 @@ def run_decode(
         part_out[plan.splits].copy_(extra[0].reshape(rows, head_dim))
         part_lse[plan.splits].copy_(extra[1].reshape(rows))
         merge, merge_ptr = merge_partials.merge_kernel(head_dim, index, merged_splits)
-        outputs = (part_out, part_lse, NULL, NULL, NULL)
     elif plan.splits == 1:  # written directly
-        outputs = (out, lse, NULL, NULL, NULL)
+        part_out, part_lse = out, lse
     else:
         # Allocated here, not with the plan: a compiled step (which always passes ``extra``) must not create it
-        # inside a CUDA-graph pool that outlives the step. Its addresses are fixed arguments of a prepared call.
-        workspace = _workspace(index, plan.splits, rows, head_dim, grid_units(setup.grid))
-        part_out, part_lse, arrivals = workspace
-        if merges_in_kernel(plan, head_slots(group)):
-            outputs = (_address(part_out), _address(part_lse), out, lse, _address(arrivals))
-        else:
-            outputs = (_address(part_out), _address(part_lse), NULL, NULL, NULL)
-            merge, merge_ptr = setup.merge, setup.merge_ptr
-    args = _decode_args(setup, q3, q_strides, tensor_args, group, centroids, scale, outputs, rows)
+        # inside a CUDA-graph pool that outlives the step.
+        part_out, part_lse = _workspace(index, plan.splits, rows, head_dim)
+    args = _decode_args(setup, q3, q_strides, tensor_args, group, centroids, scale, part_out, part_lse, rows)
     merge_args = None
     if merge is not None:
-        merge_args = merge_partials.contiguous_merge_args(outputs[0], outputs[1], out, lse, merged_splits, rows,
-                                                          head_dim)
+        merge_args = merge_partials.contiguous_merge_args(part_out, part_lse, out, lse, merged_splits, rows, head_dim)
     if extra is None and FAST_LAUNCH and torch.cuda.current_device() == index:
-        prepared = PreparedDecode.build(setup, args, merge_args, index, workspace)
-        prepared(tuple(a.data_ptr() for a in args[:-7] if isinstance(a, torch.Tensor)), out.data_ptr(),
+        prepared = PreparedDecode.build(setup, args, merge_args, index, (part_out, part_lse) if merge else None)
+        prepared(tuple(a.data_ptr() for a in args[:-4] if isinstance(a, torch.Tensor)), out.data_ptr(),
                  lse.data_ptr())
         return prepared
     launch_cached(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index, plan.shared_mem)
@@ -529,27 +500,22 @@ def run_decode(
     return None
 
 
-def grid_units(grid: tuple[int, int, int]) -> int:
-    """(sequence, KV head, head group) units of a decode grid (its CTAs per split)."""
-    return grid[1] * grid[2]
-
-
 @dataclass(frozen=True)
 class PreparedDecode:
-    """A decode call prepared for reuse, with every argument but the pointers written once
-    (:class:`~flashquant_hf.kernels.loader.PreparedLaunch`): the decode launch, which writes ``out`` and ``lse``
-    itself (one split, or the merge in the kernel), or the decode and then the merge launch. A call passes the
-    addresses of the inputs (the tensors of the decode's arguments before its outputs, in order) and of ``out`` and
-    ``lse``."""
+    """A decode call prepared for reuse: the decode launch and, for several splits, the merge launch, with every
+    argument but the pointers written once (:class:`~flashquant_hf.kernels.loader.PreparedLaunch`). A call passes
+    the addresses of the inputs (the tensors of the decode's arguments before the partial outputs, in order) and
+    of ``out`` and ``lse``."""
 
     decode: loader.PreparedLaunch
     merge: loader.PreparedLaunch | None
-    workspace: tuple[torch.Tensor, ...] | None  # the partials and arrival counts (kept alive here)
+    workspace: tuple[torch.Tensor, torch.Tensor] | None  # the partials the merge reads (kept alive here)
+    partials: tuple[int, int] | None  # their addresses
     options: tuple[str, ...]  # the decode build's NVRTC options
 
     @classmethod
     def build(cls, setup: _Launch, args: tuple, merge_args: tuple | None, index: int,
-              workspace: tuple[torch.Tensor, ...] | None) -> "PreparedDecode":
+              workspace: tuple[torch.Tensor, torch.Tensor] | None) -> "PreparedDecode":
         decode = loader.PreparedLaunch(setup.kernel, setup.kernel_ptr, setup.grid, setup.threads, args, index,
                                        setup.plan.shared_mem)
         merge = None
@@ -557,7 +523,8 @@ class PreparedDecode:
             rows = merge_args[-2]
             merge = loader.PreparedLaunch(setup.merge, setup.merge_ptr, merge_partials.merge_grid(rows),
                                           merge_partials.MERGE_THREADS, merge_args, index)
-        return cls(decode, merge, workspace, setup.options)
+        partials = None if workspace is None else (workspace[0].data_ptr(), workspace[1].data_ptr())
+        return cls(decode, merge, workspace, partials, setup.options)
 
     def __call__(self, inputs: tuple[int, ...], out: int, lse: int) -> None:
         # Inside a CUDA-graph capture the launches are ordinary ones: the captured graph orders its kernels itself.
@@ -565,8 +532,9 @@ class PreparedDecode:
         if self.merge is None:
             self.decode((*inputs, out, lse), programmatic)
             return
-        self.decode(inputs, programmatic)
-        self.merge((out, lse), programmatic)
+        part_out, part_lse = self.partials
+        self.decode((*inputs, part_out, part_lse), programmatic)
+        self.merge((part_out, part_lse, out, lse), programmatic)
 
 
 @dataclass(frozen=True)

@@ -338,32 +338,3 @@ def test_paged_decode_prepared_call_follows_every_pointer(bits, monkeypatch, poi
             check(q, blocks, table, lens_t, 16, bits=bits, result=result)
     assert dl._PREPARED, "the calls above should have gone through a prepared launch"
     dl.clear_caches()
-
-
-@pytest.mark.parametrize("bits", [(4, 4), (3, 3)])
-@pytest.mark.parametrize("group", [4, 8])
-def test_paged_decode_merges_in_kernel_like_the_merge_launch(bits, group, monkeypatch, poison, cuda_gen):
-    """Plans of several splits merge in the decode kernel (its last CTA per unit): over sequences whose later
-    splits are empty, repeated calls give the reference result every time (the arrival counts are back at zero after
-    each call), and the same as the decode followed by the merge launch."""
-    import flashquant_hf.kernels.decode_launch as dl
-    from flashquant_hf.kernels.paged_decode import paged_decode
-
-    lens = [6000, 17, 0, 2500]
-    blocks, table, lens_t = random_store(lens, 16, 2, 128, seed=500 + group + bits[0], k_bits=bits[0], v_bits=bits[1])
-    q = torch.randn(len(lens), 2 * group, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
-    ck, cv = centroids(128, bits[0]), centroids(128, bits[1])
-    args = (q, blocks, table, lens_t, ck, cv, *bits, 128**-0.5, 16, 6000)
-    results = []
-    for merged_in_kernel in (True, False):
-        if not merged_in_kernel:
-            monkeypatch.setattr(dl, "merges_in_kernel", lambda plan, heads: False)
-        result, setup = decode_poisoned(monkeypatch, poison, *args)
-        (prepared,) = dl._PREPARED.values()
-        assert setup.plan.splits > 1 and (prepared.launch.merge is None) == merged_in_kernel
-        for _ in range(3):
-            torch.testing.assert_close(paged_decode(*args), result, rtol=0, atol=0)
-        assert int(prepared.launch.workspace[2].abs().sum()) == 0, "arrival counts left non-zero"
-        check(q, blocks, table, lens_t, 16, bits=bits, result=result)
-        results.append(result)
-    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
