@@ -197,6 +197,44 @@ FA_INLINE void load_q_tile(u32 s_q, const u16* q, const RowBlock& rb, int b, int
     cp_async_commit();
 }
 
+// The part of the per-CTA setup both prefill kernels share, once they know their row block `rb` of (sequence b, KV
+// head kvh) and the first key n_begin of their split: it loads the block's Q tile into shared memory at s_base + off_q
+// (one committed cp.async group), writes the causal limits of the rows this lane's fragments hold into row_lim
+// (tile_step's row_lim) and holds the other values the key loop reads. row_lim stays the caller's array: as a member
+// of this struct it changes the kernels' generated code.
+template <class C>
+struct CtaSetup {
+    int t_begin;                  // first key tile of the split
+    int lim_lo;                   // causal limit of the block's first row
+    u32 s_q;                      // the Q tile
+    const unsigned char* kp_bh;   // the (sequence, KV head)'s compressed rows: key n's packed bytes at
+    const unsigned char* vp_bh;   // kp_bh + n * kp_sn and its norm at kn_bh + n * kn_sn (likewise V)
+    const float* kn_bh;
+    const float* vn_bh;
+    const float* bias_b;          // the sequence's key-bias row (bias_b + n * bias_sn); null without a bias
+    u32 s_raw;                    // the raw buffer, as a shared-memory address and as a pointer
+    const unsigned char* raw;
+
+    FA_INLINE CtaSetup(int (&row_lim)[C::MT][2], const RowBlock& rb, int b, int kvh, int n_begin, int warp, int lane,
+                       const unsigned char* smem, u32 s_base, int off_q, int off_raw, const u16* q,
+                       const unsigned char* kp, const float* kn, const unsigned char* vp, const float* vn,
+                       const float* bias, i64 q_sb, i64 q_sh, i64 q_sl, i64 kp_sb, i64 kp_sh, i64 kn_sb, i64 kn_sh,
+                       i64 vp_sb, i64 vp_sh, i64 vn_sb, i64 vn_sh, i64 bias_sb) {
+        t_begin = n_begin / C::BN;
+        lim_lo = rb.lim_lo();
+        fragment_limits(row_lim, rb, warp, lane);
+        s_q = s_base + off_q;
+        load_q_tile<C>(s_q, q, rb, b, kvh, q_sb, q_sh, q_sl);
+        kp_bh = kp + b * kp_sb + kvh * kp_sh;
+        vp_bh = vp + b * vp_sb + kvh * vp_sh;
+        kn_bh = kn + b * kn_sb + kvh * kn_sh;
+        vn_bh = vn + b * vn_sb + kvh * vn_sh;
+        bias_b = bias == nullptr ? nullptr : bias + b * bias_sb;
+        s_raw = s_base + off_raw;
+        raw = smem + off_raw;
+    }
+};
+
 // Normalised output rows and their LSE into split `split`'s slice of out [splits, B, Hq, Lq, D], lse [..., Lq].
 template <class C>
 FA_INLINE void store_rows(Acc<C>& acc, float* out, float* lse, const RowBlock& rb, int b, int kvh, int split,
@@ -277,55 +315,44 @@ tq_prefill_kernel(const fa::u16* __restrict__ q, const unsigned char* __restrict
     int n_stop = imin(kv_len, n_begin + split_len);
     if (causal) n_stop = imin(n_stop, rb.lim_hi(C::BM) + 1);
     const int n_tiles = n_stop > n_begin ? (n_stop - n_begin + BN - 1) / BN : 0;
-    const int t_begin = n_begin / BN;
-    const int lim_lo = rb.lim_lo();
+
     int row_lim[MT][2];
-    fragment_limits(row_lim, rb, warp, lane);
-
-    const u32 s_q = s_base + OFF_Q;
-    load_q_tile<C>(s_q, q, rb, b, kvh, q_sb, q_sh, q_sl);
-
-    const unsigned char* kp_bh = kp + b * kp_sb + kvh * kp_sh;
-    const unsigned char* vp_bh = vp + b * vp_sb + kvh * vp_sh;
-    const float* kn_bh = kn + b * kn_sb + kvh * kn_sh;
-    const float* vn_bh = vn + b * vn_sb + kvh * vn_sh;
-    const float* bias_b = bias == nullptr ? nullptr : bias + b * bias_sb;
-    const u32 s_raw = s_base + OFF_RAW;
-    const unsigned char* raw = fa_smem + OFF_RAW;
+    const CtaSetup<C> cta(row_lim, rb, b, kvh, n_begin, warp, lane, fa_smem, s_base, OFF_Q, OFF_RAW, q, kp, kn, vp, vn,
+                          bias, q_sb, q_sh, q_sl, kp_sb, kp_sh, kn_sb, kn_sh, vp_sb, vp_sh, vn_sb, vn_sh, bias_sb);
 
     auto fetch_k = [&](int t) {  // packed K bytes, |k|, |v| and the bias of tile t
         const int n0 = t * BN;
-        fetch_tile<C, KB>(s_raw, kp_bh, kp_sn, n0, kv_len, k_vec);
+        fetch_tile<C, KB>(cta.s_raw, cta.kp_bh, kp_sn, n0, kv_len, k_vec);
         const int n = n0 + tid;
         if (tid < BN && n < kv_len) {
-            cp_async_small<4>(s_raw + RAW_KN + 4 * tid, kn_bh + n * kn_sn);
-            cp_async_small<4>(s_raw + RAW_VN + 4 * tid, vn_bh + n * vn_sn);
-            if (bias_b != nullptr) cp_async_small<4>(s_raw + RAW_BIAS + 4 * tid, bias_b + n * bias_sn);
+            cp_async_small<4>(cta.s_raw + RAW_KN + 4 * tid, cta.kn_bh + n * kn_sn);
+            cp_async_small<4>(cta.s_raw + RAW_VN + 4 * tid, cta.vn_bh + n * vn_sn);
+            if (cta.bias_b != nullptr) cp_async_small<4>(cta.s_raw + RAW_BIAS + 4 * tid, cta.bias_b + n * bias_sn);
         }
     };
-    auto fetch_v = [&](int t) { fetch_tile<C, VB>(s_raw + RAW_V, vp_bh, vp_sn, t * BN, kv_len, v_vec); };
+    auto fetch_v = [&](int t) { fetch_tile<C, VB>(cta.s_raw + RAW_V, cta.vp_bh, vp_sn, t * BN, kv_len, v_vec); };
     auto decode_k = [&](int t, int stage_off) {  // K tile and the per-key meta of stage `stage_off`
         unsigned char* st = fa_smem + stage_off;
-        decode_tile<C, KB>(st, raw, tabs, tabs + 16);
+        decode_tile<C, KB>(st, cta.raw, tabs, tabs + 16);
         const int n = t * BN + tid;
         if (tid < BN) {
             const bool ok = n < kv_len;
             float* meta = reinterpret_cast<float*>(st + 2 * C::TILE_BYTES);
-            const float* r_kn = reinterpret_cast<const float*>(raw + RAW_KN);
-            const float* r_vn = reinterpret_cast<const float*>(raw + RAW_VN);
-            const float* r_bias = reinterpret_cast<const float*>(raw + RAW_BIAS);
+            const float* r_kn = reinterpret_cast<const float*>(cta.raw + RAW_KN);
+            const float* r_vn = reinterpret_cast<const float*>(cta.raw + RAW_VN);
+            const float* r_bias = reinterpret_cast<const float*>(cta.raw + RAW_BIAS);
             meta[tid] = ok ? r_kn[tid] * scale_log2 : 0.f;
-            meta[BN + tid] = ok ? (bias_b != nullptr ? r_bias[tid] * kLog2e : 0.f) : neg_inf();
+            meta[BN + tid] = ok ? (cta.bias_b != nullptr ? r_bias[tid] * kLog2e : 0.f) : neg_inf();
             meta[2 * BN + tid] = ok ? r_vn[tid] : 0.f;
         }
     };
     auto decode_v = [&](int stage_off) {
-        decode_tile<C, VB>(fa_smem + stage_off + C::TILE_BYTES, raw + RAW_V, tabs + 8, tabs + 32);
+        decode_tile<C, VB>(fa_smem + stage_off + C::TILE_BYTES, cta.raw + RAW_V, tabs + 8, tabs + 32);
     };
 
     if (n_tiles > 0) {
-        fetch_k(t_begin);
-        fetch_v(t_begin);
+        fetch_k(cta.t_begin);
+        fetch_v(cta.t_begin);
     }
     cp_async_commit();
     cp_async_wait<0>();
@@ -333,17 +360,17 @@ tq_prefill_kernel(const fa::u16* __restrict__ q, const unsigned char* __restrict
 
     Lanes<C> ln;
     ln.init(lane);
-    const u32 q_warp = s_q + warp * MT * 16 * C::ROW_BYTES;
+    const u32 q_warp = cta.s_q + warp * MT * 16 * C::ROW_BYTES;
     u32 qf[MT][C::KSTEPS][4];
     if constexpr (QREG) load_q_fragments<C>(qf, q_warp, ln);
 
     if (n_tiles > 0) {
-        decode_k(t_begin, 0);
+        decode_k(cta.t_begin, 0);
         decode_v(0);
     }
     if (n_tiles > 1) {
-        fetch_k(t_begin + 1);
-        fetch_v(t_begin + 1);
+        fetch_k(cta.t_begin + 1);
+        fetch_v(cta.t_begin + 1);
     }
     cp_async_commit();
 
@@ -352,11 +379,11 @@ tq_prefill_kernel(const fa::u16* __restrict__ q, const unsigned char* __restrict
     for (int i = 0; i < n_tiles; ++i) {
         cp_async_wait<0>();
         block_sync();
-        const int t = t_begin + i;
+        const int t = cta.t_begin + i;
         const int st = (i & 1) * STAGE, next = ((i + 1) & 1) * STAGE;
         const int n0 = t * BN;
         const float* meta = reinterpret_cast<const float*>(fa_smem + st + 2 * C::TILE_BYTES);
-        const bool mask = causal && n0 + BN - 1 > lim_lo;  // keys past the end are -inf through the meta bias
+        const bool mask = causal && n0 + BN - 1 > cta.lim_lo;  // keys past the end are -inf through the meta bias
         if constexpr (OVERLAP) {
             // Decode tile t+1 (and fetch t+2) between the tensor-core phases of tile t. Unconditional, so the hooks
             // stay straight-line code: past the range they decode stale bytes into a stage nobody reads and
@@ -530,21 +557,10 @@ tq_prefill_cluster_kernel(const fa::u16* __restrict__ q, const unsigned char* __
     const int n_stop_cl = causal ? imin(n_limit, rb_last.lim_hi(C::BM) + 1) : n_limit;
     const int n_tiles = n_stop > n_begin ? (n_stop - n_begin + BN - 1) / BN : 0;
     const int n_tiles_cl = n_stop_cl > n_begin ? (n_stop_cl - n_begin + BN - 1) / BN : 0;
-    const int t_begin = n_begin / BN;
-    const int lim_lo = rb.lim_lo();
+
     int row_lim[MT][2];
-    fragment_limits(row_lim, rb, warp, lane);
-
-    const u32 s_q = s_base + OFF_Q;
-    load_q_tile<C>(s_q, q, rb, b, kvh, q_sb, q_sh, q_sl);
-
-    const unsigned char* kp_bh = kp + b * kp_sb + kvh * kp_sh;
-    const unsigned char* vp_bh = vp + b * vp_sb + kvh * vp_sh;
-    const float* kn_bh = kn + b * kn_sb + kvh * kn_sh;
-    const float* vn_bh = vn + b * vn_sb + kvh * vn_sh;
-    const float* bias_b = bias == nullptr ? nullptr : bias + b * bias_sb;
-    const u32 s_raw = s_base + OFF_RAW;
-    const unsigned char* raw = fa_smem + OFF_RAW;
+    const CtaSetup<C> cta(row_lim, rb, b, kvh, n_begin, warp, lane, fa_smem, s_base, OFF_Q, OFF_RAW, q, kp, kn, vp, vn,
+                          bias, q_sb, q_sh, q_sl, kp_sb, kp_sh, kn_sb, kn_sh, vp_sb, vp_sh, vn_sb, vn_sh, bias_sb);
 
     // Item w of this CTA's slice: K items [0, TK), then V items; thread tid owns w = tid + i * THREADS and both
     // fetches and decodes it (no barrier on the raw buffer).
@@ -556,22 +572,23 @@ tq_prefill_cluster_kernel(const fa::u16* __restrict__ q, const unsigned char* __
             if (w < TK) {
                 const int row = slice0 + w / PK::PARTS, part = w % PK::PARTS;
                 if (n0 + row < kv_len) {
-                    fetch_part<PK::PART>(s_raw + w * PK::PART, kp_bh + (n0 + row) * kp_sn + part * PK::PART, k_vec);
+                    fetch_part<PK::PART>(cta.s_raw + w * PK::PART, cta.kp_bh + (n0 + row) * kp_sn + part * PK::PART,
+                                         k_vec);
                 }
             } else if (w < TK + TV) {
                 const int wv = w - TK;
                 const int row = slice0 + wv / PV::PARTS, part = wv % PV::PARTS;
                 if (n0 + row < kv_len) {
-                    fetch_part<PV::PART>(s_raw + RAW_V + wv * PV::PART, vp_bh + (n0 + row) * vp_sn + part * PV::PART,
-                                         v_vec);
+                    fetch_part<PV::PART>(cta.s_raw + RAW_V + wv * PV::PART,
+                                         cta.vp_bh + (n0 + row) * vp_sn + part * PV::PART, v_vec);
                 }
             }
         }
         const int n = n0 + slice0 + tid;
         if (tid < SLICE && n < kv_len) {
-            cp_async_small<4>(s_raw + RAW_KN + 4 * tid, kn_bh + n * kn_sn);
-            cp_async_small<4>(s_raw + RAW_VN + 4 * tid, vn_bh + n * vn_sn);
-            if (bias_b != nullptr) cp_async_small<4>(s_raw + RAW_BIAS + 4 * tid, bias_b + n * bias_sn);
+            cp_async_small<4>(cta.s_raw + RAW_KN + 4 * tid, cta.kn_bh + n * kn_sn);
+            cp_async_small<4>(cta.s_raw + RAW_VN + 4 * tid, cta.vn_bh + n * vn_sn);
+            if (cta.bias_b != nullptr) cp_async_small<4>(cta.s_raw + RAW_BIAS + 4 * tid, cta.bias_b + n * bias_sn);
         }
     };
     // Rows past the end are not fetched: their stale bytes decode to finite values that the meta bias masks.
@@ -581,29 +598,29 @@ tq_prefill_cluster_kernel(const fa::u16* __restrict__ q, const unsigned char* __
         for (int i = 0; i < PER_THREAD; ++i) {
             const int w = tid + i * C::THREADS;
             if (w < TK) {
-                decode_item_all<C, KB, CL>(fa_smem, st, raw + w * PK::PART, slice0 + w / PK::PARTS, w % PK::PARTS,
+                decode_item_all<C, KB, CL>(fa_smem, st, cta.raw + w * PK::PART, slice0 + w / PK::PARTS, w % PK::PARTS,
                                            tabs, tabs + 16, peer);
             } else if (w < TK + TV) {
                 const int wv = w - TK;
-                decode_item_all<C, VB, CL>(fa_smem, st + C::TILE_BYTES, raw + RAW_V + wv * PV::PART,
+                decode_item_all<C, VB, CL>(fa_smem, st + C::TILE_BYTES, cta.raw + RAW_V + wv * PV::PART,
                                            slice0 + wv / PV::PARTS, wv % PV::PARTS, tabs + 8, tabs + 32, peer);
             }
         }
         if (tid < SLICE) {
             const int row = slice0 + tid;
             const bool ok = t * BN + row < kv_len;
-            const float* r_kn = reinterpret_cast<const float*>(raw + RAW_KN);
-            const float* r_vn = reinterpret_cast<const float*>(raw + RAW_VN);
-            const float* r_bias = reinterpret_cast<const float*>(raw + RAW_BIAS);
+            const float* r_kn = reinterpret_cast<const float*>(cta.raw + RAW_KN);
+            const float* r_vn = reinterpret_cast<const float*>(cta.raw + RAW_VN);
+            const float* r_bias = reinterpret_cast<const float*>(cta.raw + RAW_BIAS);
             const u32 meta = st + 2 * C::TILE_BYTES + 4 * row;
             put_all_f32<CL>(fa_smem, meta, ok ? r_kn[tid] * scale_log2 : 0.f, peer);
-            put_all_f32<CL>(fa_smem, meta + 4 * BN, ok ? (bias_b != nullptr ? r_bias[tid] * kLog2e : 0.f) : neg_inf(),
-                            peer);
+            put_all_f32<CL>(fa_smem, meta + 4 * BN,
+                            ok ? (cta.bias_b != nullptr ? r_bias[tid] * kLog2e : 0.f) : neg_inf(), peer);
             put_all_f32<CL>(fa_smem, meta + 8 * BN, ok ? r_vn[tid] : 0.f, peer);
         }
     };
 
-    if (n_tiles_cl > 0) fetch(t_begin);
+    if (n_tiles_cl > 0) fetch(cta.t_begin);
     cp_async_commit();
     cp_async_wait<0>();
     // Every CTA of the cluster has started (its shared memory may be written); Q and the tables are visible.
@@ -612,14 +629,14 @@ tq_prefill_cluster_kernel(const fa::u16* __restrict__ q, const unsigned char* __
 
     Lanes<C> ln;
     ln.init(lane);
-    const u32 q_warp = s_q + warp * MT * 16 * C::ROW_BYTES;
+    const u32 q_warp = cta.s_q + warp * MT * 16 * C::ROW_BYTES;
     u32 qf[MT][C::KSTEPS][4];  // unused (Q stays in shared memory)
 
     // barrier.cluster.arrive.release waits for this thread's earlier memory operations: the global fetches are
     // issued after it, so an arrive waits for the decoded stores (local and remote) only.
-    if (n_tiles_cl > 0) decode(t_begin, 0);
+    if (n_tiles_cl > 0) decode(cta.t_begin, 0);
     cluster_arrive();
-    if (n_tiles_cl > 1) fetch(t_begin + 1);
+    if (n_tiles_cl > 1) fetch(cta.t_begin + 1);
     cp_async_commit();
     cluster_wait();
 
@@ -627,7 +644,7 @@ tq_prefill_cluster_kernel(const fa::u16* __restrict__ q, const unsigned char* __
     acc_init(acc);
     int stage = 0;
     for (int i = 0; i < n_tiles_cl; ++i) {
-        const int t = t_begin + i;
+        const int t = cta.t_begin + i;
         const int next = stage == STAGES - 1 ? 0 : stage + 1;
         if (i + 1 < n_tiles_cl) {
             cp_async_wait<0>();
@@ -642,7 +659,7 @@ tq_prefill_cluster_kernel(const fa::u16* __restrict__ q, const unsigned char* __
             const u32 st = s_base + stage * STAGE;
             const float* meta = reinterpret_cast<const float*>(fa_smem + stage * STAGE + 2 * C::TILE_BYTES);
             const int n0 = t * BN;
-            const bool mask = causal && n0 + BN - 1 > lim_lo;
+            const bool mask = causal && n0 + BN - 1 > cta.lim_lo;
             if constexpr (OVERLAP) {  // arrive right behind the S mmas: the stores complete while they run
                 if (mask) {
                     tile_step<C, bf16, true, true>(acc, qf, q_warp, st, st + C::TILE_BYTES, ln, meta, n0, 0x7fffffff,
