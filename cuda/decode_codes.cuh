@@ -12,7 +12,9 @@
 // shared-memory load from a per-lane copy of a table, so no lookups of one warp conflict:
 //   4 bits: a byte (two indices) -> one pair,  256 entries of 4 bytes, address = PRMT of the byte
 //   2 bits: a byte (four indices) -> two pairs, 256 entries of 8 bytes (16 copies; a 64-bit load is two phases)
-//   3 bits: six bits (two indices) -> one pair, 64 entries of 4 bytes, address = shift + LOP3 of the field
+//   3 bits: six bits (two indices) -> one pair, 256 entries of 4 bytes indexed by a byte whose low six bits are the
+//           field (the two above it are ignored), address = PRMT of that byte after a shift shared by the lookups
+//           of one group
 //   1 bit:  a nibble (four indices) -> two pairs, 16 entries of 8 bytes, address = shift + LOP3 of the nibble
 // Entry e of table `tab` (0 keys, 1 values) for lane l lives at byte e*256 + tab*128 + l*4 (4-byte entries) or
 // e*256 + tab*128 + (l % 16)*8 (8-byte entries) of the table block, which sits at the fixed shared-window address
@@ -186,7 +188,7 @@ struct Code {
   static constexpr int kKeyAlign = lowest_bit(kKeyBytes);
   static constexpr int kValueAlign = lowest_bit(kValueBytes);
   static constexpr bool kWide = B <= 2;  // 8-byte entries (two pairs per lookup)
-  static constexpr int kEntries = B == 3 ? 64 : B == 1 ? 16 : 256;
+  static constexpr int kEntries = B == 1 ? 16 : 256;
 };
 
 // Table entries (built by tq_decode.cu's build_tables): the entry of the index bits (i, j) of a 3- or 4-bit code is
@@ -204,8 +206,11 @@ __device__ __forceinline__ u32 nibble_entry(const Lut& lut, u32 w, int q) {
   return lut.field_address(w, 4 * (q ^ 1), 4);
 }
 
-// Entry address of the six-bit field f (0..3, from the top) of a 24-bit group.
-__device__ __forceinline__ u32 field_entry(const Lut& lut, u32 g, int f) { return lut.field_address(g, 18 - 6 * f); }
+// Entry address of the six-bit field f (0..3, from the top) of a 24-bit group: the field (bits 18 - 6f ..) shifted
+// to the bottom of byte 3 - f, whose two top bits the 3-bit tables ignore (one PRMT instead of a mask per field).
+__device__ __forceinline__ u32 field_entry(const Lut& lut, u32 g, int f) {
+  return lut.byte_address(g << (6 - 2 * f), 3 - f);
+}
 
 // A operands of k-step kk of S^T = K Q^T from the quarters `w0`, `w1` of the lane's two key rows: a0 / a1 = dims
 // 4kk, 4kk + 1 of rows 0 / 1 (A rows g, g + 8), a2 / a3 = dims 4kk + 2, 4kk + 3 (the Q^T fragment holds the same

@@ -50,7 +50,7 @@ def kernel_name(head_dim: int, query_kind: int, mode: int, k_bits: int = 4, v_bi
 
 def table_entries(bits: int) -> int:
     """Entries of the code -> centroid-pair table of ``bits``-bit codes (``Code::kEntries`` in decode_codes.cuh)."""
-    return {1: 16, 2: 256, 3: 64, 4: 256}[bits]
+    return 16 if bits == 1 else 256
 
 
 def lut_bytes(k_bits: int = 4, v_bits: int = 4) -> int:
