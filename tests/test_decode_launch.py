@@ -160,12 +160,13 @@ def test_tq_attention_routes_every_decode_width_to_a_kernel():
 
 
 @pytest.mark.parametrize("head_dim, k_bits, v_bits, staged", [
-    (128, 3, 3, True), (128, 4, 3, True), (128, 3, 4, False), (64, 3, 2, True), (64, 2, 2, True),
-    (128, 4, 4, False), (128, 3, 2, False), (128, 2, 2, False), (64, 4, 4, False), (256, 3, 3, False),
+    (128, 3, 3, True), (128, 4, 3, True), (128, 3, 4, True), (128, 3, 2, True), (64, 3, 2, True),
+    (64, 2, 2, False), (128, 4, 4, False), (128, 2, 2, False), (128, 1, 1, False), (64, 4, 4, False),
 ])
-def test_contiguous_staging_follows_the_narrowest_register_piece(head_dim, k_bits, v_bits, staged):
-    """The contiguous layout stages its tiles exactly where a lane's key quarter or value slice would be loaded in
-    pieces under STAGED_BELOW_PIECE bytes."""
-    pieces = (dl.slice_alignment(head_dim, k_bits, keys=True), dl.slice_alignment(head_dim, v_bits, keys=False))
-    assert (min(pieces) < dl.STAGED_BELOW_PIECE) == staged
+def test_contiguous_staging_where_a_slice_takes_several_loads(head_dim, k_bits, v_bits, staged):
+    """The contiguous layout stages its tiles exactly where a lane's key quarter or value eighth would take more than
+    one register load in the widest pieces its alignment allows."""
+    loads = [head_dim * bits // share // dl.slice_alignment(head_dim, bits, keys=share == 32)
+             for bits, share in ((k_bits, 32), (v_bits, 64))]
+    assert (max(loads) > 1) == staged
     assert dl.contiguous_staging_pays(head_dim, k_bits, v_bits) == staged

@@ -138,16 +138,18 @@ def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: 
     return options
 
 
-# The contiguous layout stages its tiles where a lane's register loads would be narrower than this many bytes (e.g.
-# 3-bit codes at head_dim 128: 2-byte value pieces); with wider pieces the tile's four bulk copies cost more than the
-# loads they replace (docs/kernels_decode.md, "Measured and rejected").
-STAGED_BELOW_PIECE = 4
+def slice_loads(head_dim: int, bits: int, keys: bool) -> int:
+    """Register loads a lane spends on its slice of one key row (a quarter) or value row (an eighth): the slice in
+    pieces of :func:`slice_alignment` bytes."""
+    return head_dim * bits // (32 if keys else 64) // slice_alignment(head_dim, bits, keys)
 
 
 def contiguous_staging_pays(head_dim: int, k_bits: int, v_bits: int) -> bool:
-    """Whether staged tiles beat register loads for the contiguous layout at these widths (STAGED_BELOW_PIECE)."""
-    narrowest = min(slice_alignment(head_dim, k_bits, keys=True), slice_alignment(head_dim, v_bits, keys=False))
-    return narrowest < STAGED_BELOW_PIECE
+    """Whether the contiguous layout stages its tiles at these widths: where a lane's key or value slice takes several
+    register loads (3-bit codes at head_dim 128: three for a key quarter or a value eighth). Where each takes one
+    (4- and 2-bit codes) the register loads beat the tile's copies (docs/kernels_decode.md, "Measured and
+    rejected")."""
+    return max(slice_loads(head_dim, k_bits, keys=True), slice_loads(head_dim, v_bits, keys=False)) > 1
 
 
 def contiguous_runs_staged(tensors: tuple[torch.Tensor, ...], row_bytes: tuple[int, ...]) -> bool:
