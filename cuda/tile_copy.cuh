@@ -6,11 +6,10 @@
 
 #include "smem.cuh"
 
-// `arrivals` arrivals per phase: the thread that arms it (barrier_expect), plus one per thread whose word copies it
-// counts (copy_word_counted); visible to the copy engine after fence_barrier_init.
-__device__ __forceinline__ void barrier_init(unsigned long long* bar, unsigned int arrivals = 1) {
+// One arrival (the copy's issuing thread) per phase; visible to the copy engine after fence_barrier_init.
+__device__ __forceinline__ void barrier_init(unsigned long long* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
 #else
   __trap();
 #endif
@@ -40,18 +39,6 @@ __device__ __forceinline__ void bulk_copy_counted(void* dst, const void* src, un
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-#else
-  __trap();
-#endif
-}
-
-// 4 bytes from global `src` to shared `dst` by this thread's asynchronous copy, and this thread's arrival on `bar`'s
-// phase once it has landed (the arrival is one of those barrier_init counted). Many small pieces (one per lane) cost
-// the copy engine nothing, where a bulk copy each would.
-__device__ __forceinline__ void copy_word_counted(void* dst, const void* src, unsigned long long* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 #else
   __trap();
 #endif

@@ -854,13 +854,9 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   constexpr bool kSplitLoads = MODE != kPaged;
   constexpr int kAhead = kSplitLoads ? kPartV : kPartKV;  // what is loaded for chunk c + kWarps when c starts
   Tile<T> bufa[T::kTiles], bufb[T::kTiles];
-  // Staged tiles (a chunk is one tile here). Paged: the block of chunk c from this head's slice, one bulk copy by
-  // lane 0. Contiguous: the key and value code runs of the tile by two bulk copies from lane 0's bases (its lane
-  // offsets are 0), and its 32 norms by one 4-byte copy per lane (lane l: key norm l, or value norm l - 16), all
-  // counted on the slot's barrier (1 + 32 arrivals): the copy engine's cost is per copy, so 64-byte copies of the
-  // norms would take it as long as the code runs. The sequence's last tile, when partial, is not copied (rows past
-  // the end may not exist) but read from global memory by the loop. Called by lane 0 (paged) or the whole warp.
-  constexpr unsigned int kStageArrivals = MODE == kPaged ? 1u : 33u;
+  // Bulk-copied tiles (a chunk is one tile here), issued by lane 0. Paged: the block of chunk c from this head's
+  // slice. Contiguous: the tile's four runs, from lane 0's bases (its lane offsets are 0); the sequence's last tile,
+  // when partial, is not copied (rows past the end may not exist) but read from global memory by the loop.
   const unsigned char* const tile_src = k_idx + h * kStageBytes;
   auto copy_tile = [&](int chunk, int slot) {
     const int ts = tile_at(chunk, 0);
@@ -870,28 +866,22 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
       bulk_copy(dst, at(tile_src, page, kv.page_stride), kStageBytes, stage_bar + slot);
     } else {
       if (ts + 15 > last) return;
+      barrier_expect(stage_bar + slot, kStageBytes);
       unsigned char* const dst_kn = dst + 16 * T::kKRow;
       unsigned char* const dst_v = dst_kn + 64;
-      if (lane == 0) {
-        barrier_expect(stage_bar + slot, 16 * (T::kKRow + T::kVRow));
-        bulk_copy_counted(dst, at(kv.k, ts, T::kKRow), 16 * T::kKRow, stage_bar + slot);
-        bulk_copy_counted(dst_v, at(kv.v, ts, T::kVRow), 16 * T::kVRow, stage_bar + slot);
-      }
-      const bool key_norm = lane < 16;
-      copy_word_counted(key_norm ? dst_kn + 4 * lane : dst_v + 16 * T::kVRow + 4 * (lane - 16),
-                        at(key_norm ? kv.kn : kv.vn, ts + (lane & 15), 4), stage_bar + slot);
+      bulk_copy_counted(dst, at(kv.k, ts, T::kKRow), 16 * T::kKRow, stage_bar + slot);
+      bulk_copy_counted(dst_kn, at(kv.kn, ts, 4), 64, stage_bar + slot);
+      bulk_copy_counted(dst_v, at(kv.v, ts, T::kVRow), 16 * T::kVRow, stage_bar + slot);
+      bulk_copy_counted(dst_v + 16 * T::kVRow, at(kv.vn, ts, 4), 64, stage_bar + slot);
     }
   };
   // The first tiles are in flight during the prologue (the paged layout reads their block ids from the global
   // block table, see above).
   if constexpr (kTma) {
     if (lane == 0) {
-      barrier_init(stage_bar, kStageArrivals);
-      barrier_init(stage_bar + 1, kStageArrivals);
+      barrier_init(stage_bar);
+      barrier_init(stage_bar + 1);
       fence_barrier_init();
-    }
-    __syncwarp();
-    if (MODE != kPaged || lane == 0) {
       if (c < nchunks) copy_tile(c, 0);
       if (c + kWarps < nchunks) copy_tile(c + kWarps, 1);
     }
@@ -1016,7 +1006,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
         load_staged<T>(bufa[0], stage + slot * kStageBytes, tile_at(c, 0), last);
       }
       __syncwarp();
-      if ((MODE != kPaged || lane == 0) && c + 2 * kWarps < nchunks) copy_tile(c + 2 * kWarps, slot);
+      if (lane == 0 && c + 2 * kWarps < nchunks) copy_tile(c + 2 * kWarps, slot);
       if (prefetch > 0 && c + (2 + prefetch) * kWarps < nchunks)
         kv.template prefetch_chunk<T::kChunk>(tile_at(c + (2 + prefetch) * kWarps, 0), last);
       float s[T::kTiles][T::kScores];
