@@ -164,8 +164,8 @@ struct Lut {
     return __byte_perm(w, lane, 0x7604u | (k << 4));
   }
 
-  // Entry of the `width` bits of `x` starting at bit s (six-bit fields of a 24-bit group, nibbles of a word).
-  __device__ __forceinline__ u32 field_address(u32 x, int s, int width = 6) const {
+  // Entry of the `width` bits of `x` starting at bit s (the nibbles of 1-bit codes).
+  __device__ __forceinline__ u32 field_address(u32 x, int s, int width) const {
     const u32 at8 = s >= 8 ? x >> (s - 8) : x << (8 - s);
     return (at8 & (((1u << width) - 1u) << 8)) | lane;
   }
