@@ -133,16 +133,6 @@ struct Traits {
   static_assert(kHeadSlots == 4 || kHeadSlots == 8, "4 or 8 head slots");
 };
 
-// Tiles in flight per warp in staged builds (shared-memory slots, each with its mbarrier): three where two CTAs per
-// SM still fit (sm_90: 228 KB per SM, 1 KB of it reserved per CTA) beside the tables and a paged build's block-table
-// slice (up to decode_launch.MAX_PAGE_BYTES), else two. decode_launch.tile_stages mirrors this.
-template <class T, int MODE>
-__host__ __device__ constexpr int tile_stages() {
-  constexpr int kPages = MODE == kPaged ? 4096 : 0;
-  constexpr int kThree = T::kPagesOffset + kPages + 1024 + 3 * T::kWarps * (16 * T::kTokenBytes + 8);
-  return 2 * kThree <= 228 * 1024 ? 3 : 2;
-}
-
 template <bool F16>
 __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   if constexpr (F16) {
@@ -811,12 +801,10 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   const int g = lane >> 2, t = lane & 3;
   KVAddress<T, MODE, kTma> kv;
   constexpr int kStageBytes = 16 * T::kTokenBytes;
-  constexpr int kStages = tile_stages<T, MODE>();
-  unsigned char* const stage = smem + kPagesOffset + warp * kStages * kStageBytes;
+  unsigned char* const stage = smem + kPagesOffset + warp * 2 * kStageBytes;
   unsigned long long* const stage_bar =
-      reinterpret_cast<unsigned long long*>(smem + kPagesOffset + kWarps * kStages * kStageBytes) + kStages * warp;
-  int* const pages =
-      reinterpret_cast<int*>(smem + kPagesOffset + (kTma ? kWarps * kStages * (kStageBytes + 8) : 0));
+      reinterpret_cast<unsigned long long*>(smem + kPagesOffset + kWarps * 2 * kStageBytes) + 2 * warp;
+  int* const pages = reinterpret_cast<int*>(smem + kPagesOffset + (kTma ? kWarps * 2 * (kStageBytes + 8) : 0));
   if constexpr (MODE == kPaged) {
     const int page0 = s0 >> log2_bs;
     const int npages = ((s1 - 1) >> log2_bs) - page0 + 1;
@@ -891,13 +879,11 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   // block table, see above).
   if constexpr (kTma) {
     if (lane == 0) {
-#pragma unroll
-      for (int slot = 0; slot < kStages; ++slot) barrier_init(stage_bar + slot);
+      barrier_init(stage_bar);
+      barrier_init(stage_bar + 1);
       fence_barrier_init();
-#pragma unroll
-      for (int slot = 0; slot < kStages; ++slot) {
-        if (c + slot * kWarps < nchunks) copy_tile(c + slot * kWarps, slot);
-      }
+      if (c < nchunks) copy_tile(c, 0);
+      if (c + kWarps < nchunks) copy_tile(c + kWarps, 1);
     }
     __syncwarp();
   } else if (c < nchunks) {
@@ -976,7 +962,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   }
   __syncthreads();  // tables and pages are ready
   for (int i = 1; i <= prefetch; ++i) {
-    const int ahead = c + (kTma ? i + kStages - 1 : i) * kWarps;
+    const int ahead = c + (kTma ? i + 1 : i) * kWarps;
     if (ahead < nchunks) kv.template prefetch_chunk<T::kChunk>(tile_at(ahead, 0), last);
   }
   // The rest of a step once the scores are in: the running max, P = exp2(s) (s arrives as score - mu), l and O^T.
@@ -1009,22 +995,20 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     return c < nchunks;
   };
   if constexpr (kTma) {
-    // Step i consumes slot i % kStages (its barrier's phase i / kStages % 2), then refills it with chunk
-    // c + kStages kWarps once every lane has its registers.
-    int slot = 0;
-    u32 phase = 0;
-    for (; c < nchunks; c += kWarps) {
+    // Step i consumes slot i % 2 (its barrier's phase i / 2 % 2), then refills it with chunk c + 2 kWarps once
+    // every lane has its registers.
+    for (int i = 0; c < nchunks; ++i, c += kWarps) {
+      const int slot = i & 1;
       if (MODE != kPaged && tile_at(c, 0) + 15 > last) {  // the partial last tile (never copied, see copy_tile)
         kv.template load<kPartKV>(bufa[0], tile_at(c, 0), last);
       } else {
-        barrier_wait(stage_bar + slot, phase);
+        barrier_wait(stage_bar + slot, (i >> 1) & 1);
         load_staged<T>(bufa[0], stage + slot * kStageBytes, tile_at(c, 0), last);
       }
       __syncwarp();
-      if (lane == 0 && c + kStages * kWarps < nchunks) copy_tile(c + kStages * kWarps, slot);
-      if (++slot == kStages) slot = 0, phase ^= 1u;
-      if (prefetch > 0 && c + (kStages + prefetch) * kWarps < nchunks)
-        kv.template prefetch_chunk<T::kChunk>(tile_at(c + (kStages + prefetch) * kWarps, 0), last);
+      if (lane == 0 && c + 2 * kWarps < nchunks) copy_tile(c + 2 * kWarps, slot);
+      if (prefetch > 0 && c + (2 + prefetch) * kWarps < nchunks)
+        kv.template prefetch_chunk<T::kChunk>(tile_at(c + (2 + prefetch) * kWarps, 0), last);
       float s[T::kTiles][T::kScores];
       tile_scores<T, MODE>(s, bufa, qf, lut_k, tile_at(c, 0), s1, scale_log2, key_row<kTma>(g), st.mu);
       softmax_pv(bufa, s);

@@ -217,22 +217,12 @@ def _merged(*groups: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]):
 BUILDS = _merged(_builds(), _width_builds())
 
 
-def tile_stages(paged: bool, head_dim: int, warps: int, k_bits: int = 4, v_bits: int = 4) -> int:
-    """16-key tiles in flight per warp in a staged build (``tile_stages`` in tq_decode.cu): three where two CTAs per
-    SM still fit in sm_90's 228 KB beside the tables and a paged build's block-table slice, else two."""
-    three = lut_bytes(k_bits, v_bits) + (MAX_PAGE_BYTES if paged else 0) + 1024 + 3 * warps * (
-        16 * token_bytes(head_dim, k_bits, v_bits) + 8)
-    return 3 if 2 * three <= 228 * 1024 else 2
-
-
 def staged_tile_bytes(options: tuple[str, ...], head_dim: int, warps: int, k_bits: int = 4, v_bits: int = 4) -> int:
-    """Shared memory of the bulk-copied tile stages (:func:`tile_stages` 16-key tiles and their barriers per warp)
-    in builds with ``-DFQD_TMA_TILES=1`` (8-warp kernels), else 0."""
+    """Shared memory of the bulk-copied tile stages (two 16-key tiles and their barriers per warp) in builds with
+    ``-DFQD_TMA_TILES=1`` (8-warp kernels), else 0."""
     if TMA_OPTION not in options or warps != 8:
         return 0
-    paged = any(option.startswith("-DFQD_PAGED_LOG2_BS") for option in options)
-    stages = tile_stages(paged, head_dim, warps, k_bits, v_bits)
-    return warps * stages * (16 * token_bytes(head_dim, k_bits, v_bits) + 8)
+    return warps * 2 * (16 * token_bytes(head_dim, k_bits, v_bits) + 8)
 
 
 def units_shape(batch: int, kv_heads: int, group: int) -> tuple[int, int, int]:
