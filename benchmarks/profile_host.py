@@ -15,33 +15,23 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_decode import HEAD_DIM, Q_HEADS, _centroids, _contiguous_set  # noqa: E402
+from benchmarks.bench_decode import HEAD_DIM, Q_HEADS, _centroids, _contiguous_set, _cpu_us_per_call  # noqa: E402
 from benchmarks.run_gpu import _commit  # noqa: E402
 
 SHAPES = ((8, 32768, "b8_n32k"), (1, 131072, "b1_n128k"))
 WIDTHS = ((4, 4), (3, 3))
 
 
-def host_us(fn, calls: int = 20, rounds: int = 41) -> float:
-    """Median host time per call over ``rounds`` rounds of ``calls`` calls."""
-    per_call = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_call.append((time.perf_counter() - begin) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(per_call)
+def host_us(fn) -> float:
+    """Median host time per call over rounds of 20 calls (bench_decode's measurement of one call's host time)."""
+    return _cpu_us_per_call(lambda _: fn(), [None], rounds=41)
 
 
 def profile(batch: int, keys: int, k_bits: int, v_bits: int) -> dict:

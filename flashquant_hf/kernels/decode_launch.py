@@ -63,10 +63,15 @@ def token_bytes(head_dim: int, k_bits: int = 4, v_bits: int = 4) -> int:
     return head_dim * (k_bits + v_bits) // 8 + 8
 
 
+def slice_bytes(head_dim: int, bits: int, keys: bool) -> int:
+    """Bytes of a lane's slice of one packed row: a quarter of a key row or an eighth of a value row."""
+    return head_dim * bits // (32 if keys else 64)
+
+
 def slice_alignment(head_dim: int, bits: int, keys: bool) -> int:
-    """Byte alignment a row of packed codes needs: a lane reads a quarter of a key row or an eighth of a value row in
-    pieces of up to 16 bytes (the widest power of two dividing its slice)."""
-    lane_bytes = head_dim * bits // (32 if keys else 64)
+    """Byte alignment a row of packed codes needs: a lane reads its slice (:func:`slice_bytes`) in pieces of up to 16
+    bytes (the widest power of two dividing it)."""
+    lane_bytes = slice_bytes(head_dim, bits, keys)
     return min(16, lane_bytes & -lane_bytes)
 
 
@@ -139,9 +144,9 @@ def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: 
 
 
 def slice_loads(head_dim: int, bits: int, keys: bool) -> int:
-    """Register loads a lane spends on its slice of one key row (a quarter) or value row (an eighth): the slice in
-    pieces of :func:`slice_alignment` bytes."""
-    return head_dim * bits // (32 if keys else 64) // slice_alignment(head_dim, bits, keys)
+    """Register loads a lane spends on its slice of one packed row: :func:`slice_bytes` in pieces of
+    :func:`slice_alignment` bytes."""
+    return slice_bytes(head_dim, bits, keys) // slice_alignment(head_dim, bits, keys)
 
 
 def contiguous_staging_pays(head_dim: int, k_bits: int, v_bits: int) -> bool:
