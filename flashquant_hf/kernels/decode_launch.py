@@ -536,12 +536,18 @@ class PreparedDecode:
     def __call__(self, inputs: tuple[int, ...], out: int, lse: int) -> None:
         # Inside a CUDA-graph capture the launches are ordinary ones: the captured graph orders its kernels itself.
         programmatic = PROGRAMMATIC_LAUNCH and not torch.cuda.is_current_stream_capturing()
-        if self.merge is None:
-            self.decode((*inputs, out, lse), programmatic)
-            return
-        part_out, part_lse = self.partials
-        self.decode((*inputs, part_out, part_lse), programmatic)
-        self.merge((part_out, part_lse, out, lse), programmatic)
+        decode, merge = self.decode, self.merge
+        stream = loader.raw_stream(decode.device_index)
+        with decode.block_args.lock:  # the merge's parameter array is this call's too
+            if merge is None:
+                decode.write((*inputs, out, lse))
+                decode.launch(stream, programmatic)
+                return
+            part_out, part_lse = self.partials
+            decode.write((*inputs, part_out, part_lse))
+            decode.launch(stream, programmatic)
+            merge.write((part_out, part_lse, out, lse))
+            merge.launch(stream, programmatic)
 
 
 @dataclass(frozen=True)
@@ -562,7 +568,8 @@ def call_signature(wrapper: str, tensors: tuple, *values: Any) -> tuple | None:
     and device (None stays None) and the other arguments with their types (``True`` is not ``1``). None when an
     argument is not a tensor: the wrapper's full checks then name it."""
     try:
-        metadata = tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+        # get_device(): the device as an int (-1 off CUDA), cheaper than building a torch.device
+        metadata = tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors])
     except (AttributeError, TypeError):
         return None
     return (wrapper, metadata, values, tuple(map(type, values)))

@@ -201,9 +201,14 @@ def clear_arg_blocks() -> None:
     _ARG_BLOCKS.clear()
 
 
-def _raw_stream(index: int) -> int:
-    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return getter(index) if getter is not None else torch.cuda.current_stream(index).cuda_stream
+_CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def raw_stream(index: int) -> int:
+    """The ``cudaStream_t`` of torch's current stream on device ``index``."""
+    if _CURRENT_RAW_STREAM is not None:
+        return _CURRENT_RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 class _LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: a 64-byte union
@@ -302,6 +307,9 @@ class PreparedLaunch:
         self.words = (ctypes.c_uint64 * len(args)).from_buffer(self.block_args.buffer)
         self.function, self.grid, self.block, self.shared_mem = function, grid, block, shared_mem
         self.device_index = device_index
+        # cuLaunchKernelEx's handle arguments as ctypes objects, so a call converts nothing
+        self.function_arg = ctypes.c_void_p(function)
+        self.params_arg = ctypes.c_void_p(self.block_args.address)
         if shared_mem > 48 * 1024:
             import cupy
 
@@ -315,23 +323,31 @@ class PreparedLaunch:
             config, reference, _ = _programmatic_config(grid, block, shared_mem, 0, self.block_args)
             self.programmatic_config = (config, reference, driver.cuLaunchKernelEx)
 
-    def __call__(self, pointers: Sequence[int], programmatic: bool) -> None:
-        """Write ``pointers`` (one address per tensor of the first call's ``args``, in order) and launch on torch's
-        current stream (the device must be torch's current one: the kernel lives in its primary context)."""
+    def write(self, pointers: Sequence[int]) -> None:
+        """Write ``pointers`` (one address per tensor of the first call's ``args``, in order) into the parameter
+        array (hold ``block_args.lock`` until the launch)."""
+        words = self.words
+        for slot, pointer in zip(self.slots, pointers):
+            words[slot] = pointer
+
+    def launch(self, stream: int, programmatic: bool) -> None:
+        """Launch with the parameter array as written on ``stream`` (a raw ``cudaStream_t`` of the kernel's
+        device, which must be torch's current one: the kernel lives in its primary context)."""
+        if programmatic and self.programmatic_config is not None:
+            config, reference, launch_ex = self.programmatic_config
+            config.stream = stream
+            if launch_ex(reference, self.function_arg, self.params_arg, None) == 0:
+                return
         import cupy
 
-        block_args, words = self.block_args, self.words
-        with block_args.lock:
-            for slot, pointer in zip(self.slots, pointers):
-                words[slot] = pointer
-            stream = _raw_stream(self.device_index)
-            if programmatic and self.programmatic_config is not None:
-                config, reference, launch_ex = self.programmatic_config
-                config.stream = stream
-                if launch_ex(reference, self.function, block_args.address, None) == 0:
-                    return
-            cupy.cuda.driver.launchKernel(self.function, *self.grid, self.block, 1, 1, self.shared_mem, stream,
-                                          block_args.address, 0)
+        cupy.cuda.driver.launchKernel(self.function, *self.grid, self.block, 1, 1, self.shared_mem, stream,
+                                      self.block_args.address, 0)
+
+    def __call__(self, pointers: Sequence[int], programmatic: bool) -> None:
+        """Write ``pointers`` (see :meth:`write`) and launch on torch's current stream."""
+        with self.block_args.lock:
+            self.write(pointers)
+            self.launch(raw_stream(self.device_index), programmatic)
 
 
 def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int, args: Sequence[Any],
@@ -355,7 +371,7 @@ def launch_cached(kernel, function: int, grid: tuple[int, int, int], block: int,
             # The kernel lives in the device's primary context, current once torch has used the device here.
             with block_args.lock:
                 params = block_args.fill(args)
-                stream = _raw_stream(device_index)
+                stream = raw_stream(device_index)
                 if (programmatic and device_capability(device_index) >= PROGRAMMATIC_MIN_CAPABILITY
                         and _launch_programmatic(block_args, function, grid, block, shared_mem, stream, params)):
                     return
