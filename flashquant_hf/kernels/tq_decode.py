@@ -51,6 +51,15 @@ def check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_b
         _check_cache_tensor("key_bias", key_bias, torch.float32, (batch, num_keys), dev)
 
 
+def decode_outputs(q_rot: Tensor) -> tuple[Tensor, Tensor]:
+    """The decode's outputs for queries ``q_rot [B, Hq, 1, D]``: fp32 ``out [B, Hq, 1, D]`` and ``lse [B, Hq, 1]``,
+    contiguous (row ``b * Hq + h``, as the kernel writes them)."""
+    batch, q_heads, _, head_dim = q_rot.shape
+    out = torch.empty(batch, q_heads, 1, head_dim, dtype=torch.float32, device=q_rot.device)
+    lse = torch.empty(batch, q_heads, 1, dtype=torch.float32, device=q_rot.device)
+    return out, lse
+
+
 def tq_decode(
     q_rot: Tensor, k_packed: Tensor, k_norms: Tensor, v_packed: Tensor, v_norms: Tensor, k_centroids: Tensor,
     v_centroids: Tensor, k_bits: int, v_bits: int, scale: float, causal: bool = False, key_bias: Tensor | None = None,
@@ -74,9 +83,7 @@ def tq_decode(
         runs = (k_packed.data_ptr(), k_norms.data_ptr(), v_packed.data_ptr(), v_norms.data_ptr())
         if not (runs[0] % prepared.alignment[0] or runs[1] % prepared.alignment[1] or runs[2] % prepared.alignment[2]
                 or runs[3] % prepared.alignment[3]):
-            batch, q_heads, _, head_dim = q_rot.shape
-            out = torch.empty(batch, q_heads, 1, head_dim, dtype=torch.float32, device=q_rot.device)
-            lse = torch.empty(batch, q_heads, 1, dtype=torch.float32, device=q_rot.device)
+            out, lse = decode_outputs(q_rot)
             inputs = (q_rot.data_ptr(), *runs)
             if key_bias is not None:
                 inputs += (key_bias.data_ptr(),)
@@ -87,9 +94,7 @@ def tq_decode(
     check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
     batch, q_heads, _, head_dim = q_rot.shape
     num_keys = k_packed.shape[2]
-    # Allocated in their final shapes (contiguous, row = b * Hq + h): no views per call.
-    out = torch.empty(batch, q_heads, 1, head_dim, dtype=torch.float32, device=q_rot.device)
-    lse = torch.empty(batch, q_heads, 1, dtype=torch.float32, device=q_rot.device)
+    out, lse = decode_outputs(q_rot)
     if num_keys == 0 or batch == 0:
         out.zero_()
         lse.fill_(-math.inf)
