@@ -16,7 +16,8 @@ same way, and once isolated (one call after the spin: the kernels alone).
 SDPA gets its fastest GQA form (``enable_gqa``, the group folded into the query length, or pre-expanded K/V).
 The CTA shape (4 or 8 warps) and the L2 prefetch distance are swept first and the best pair is used for the
 headline rows; the contiguous layout's prefetch distance (0 or 1) is swept on its own. ``*_cpu_us_per_call`` is the
-host time per call (fast cached launch vs CuPy's launch).
+host time per call (fast cached launch vs CuPy's launch); ``decode_host_us_per_call`` that of a prepared contiguous
+call through the compiled launcher (built before any timing), ``..._python_launcher`` through the Python one.
 """
 
 from __future__ import annotations
@@ -142,6 +143,18 @@ def _cpu_us_per_call(fn_of_set, sets, calls=B2B_CALLS, rounds=15):
     return statistics.median(per_call)
 
 
+def _python_launcher_us(fn_of_set, sets):
+    """:func:`_cpu_us_per_call` with the compiled launcher off (the Python launcher's prepared calls)."""
+    from flashquant_hf.kernels import decode_launcher
+
+    enabled, decode_launcher.ENABLED = decode_launcher.ENABLED, False
+    try:
+        fn_of_set(sets[0])
+        return _cpu_us_per_call(fn_of_set, sets)
+    finally:
+        decode_launcher.ENABLED = enabled
+
+
 def _sdpa_ms(batch, keys, dev):
     """Fastest SDPA bf16 GQA decode on [batch, 8, keys, 128] K/V; returns (ms, variant name, all times)."""
     kv_bytes = 2 * batch * KV_HEADS * keys * HEAD_DIM * 2
@@ -237,6 +250,7 @@ def _widths(record, bw: float, dev) -> None:
                 record(f"fused_decode_vs_paged_{name}", cms / ms, "ratio", "<= 1.10")
                 if (k_bits, v_bits) == (3, 3):
                     record("decode_host_us_per_call", _cpu_us_per_call(contiguous, csets), "us", "<= 20")
+                    record("decode_host_us_per_call_python_launcher", _python_launcher_us(contiguous, csets), "us")
                 del csets
             torch.cuda.empty_cache()
 
@@ -256,8 +270,12 @@ def _plan(dl, index, batch, keys, log2_bs):
 
 def run(record) -> None:
     import flashquant_hf.kernels.decode_launch as dl
+    from flashquant_hf.kernels import decode_launcher
 
     dev = torch.device("cuda")
+    began = time.perf_counter()  # the steady state: the compiled launcher built (or found in the build cache)
+    record("decode_launcher_built", float(decode_launcher.wait() is not None), "flag", "1")
+    record("decode_launcher_build_s", time.perf_counter() - began, "s")
     _widths(record, copy_bandwidth_gbs(), dev)
     _tq4(record, dl, dev)
 

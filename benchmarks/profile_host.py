@@ -1,4 +1,5 @@
-"""Host time of one contiguous decode call (``tq_decode``) and of its pieces, on the GPU machine.
+"""Host time of one contiguous decode call (``tq_decode``) through the Python launcher and of its pieces, on the GPU
+machine (the compiled launcher, ``kernels/decode_launcher.py``, is off here).
 
     python benchmarks/profile_host.py [--out DIR]
 
@@ -36,6 +37,9 @@ def host_us(fn) -> float:
 
 def profile(batch: int, keys: int, k_bits: int, v_bits: int) -> dict:
     import flashquant_hf.kernels.decode_launch as dl
+    from flashquant_hf.kernels import decode_launcher
+
+    decode_launcher.ENABLED = False  # the pieces of the Python launcher's prepared call
     from flashquant_hf.kernels.tq_decode import tq_decode
 
     dev = torch.device("cuda")

@@ -58,8 +58,8 @@ HEADLINE: tuple[tuple[str, str, tuple[str, str] | None], ...] = (
      ("paged_decode_b2b_ms_k2v2_b8_n32k", "sdpa_decode_b2b_ms_b8_n32k")),
     ("paged_decode_speedup_k4v3_b8_n32k", "same, keys 4 bits, values 3 (120 B/token/head)",
      ("paged_decode_b2b_ms_k4v3_b8_n32k", "sdpa_decode_b2b_ms_b8_n32k")),
-    ("decode_host_us_per_call", "host time of one contiguous decode call (Python launcher), the GPU not waited for",
-     None),
+    ("decode_host_us_per_call", "host time of one prepared contiguous decode call (compiled launcher), the GPU not "
+     "waited for", None),
     ("merge_partials_fraction_b8_n32k", "split merge's share of the paged B=8, N=32K call",
      ("merge_partials_ms_b8_n32k", "paged_decode_ms_b8_n32k")),
     ("fused_decode_speedup_b8_n32k", "decode over the contiguous layout the HF cache holds, B=8, N=32K",

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..paged import BLOCK_SIZES
-from . import checks, loader, merge_partials
+from . import checks, decode_launcher, loader, merge_partials
 from .loader import get_kernel
 
 CUDA_SOURCE = "tq_decode.cu"
@@ -383,6 +383,7 @@ def clear_caches() -> None:
     """Forget cached plans, workspaces and argument blocks (after changing the tuning constants)."""
     _LAUNCHES.clear()
     _PREPARED.clear()
+    decode_launcher.clear()
     loader.clear_arg_blocks()
     plan_decode.cache_clear()
     _workspace.cache_clear()
@@ -550,17 +551,49 @@ class PreparedDecode:
             merge.launch(stream, programmatic)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PreparedCall:
     """A wrapper's prepared decode (:class:`PreparedDecode`) with what a reuse must still check per call: the byte
     alignment of the addresses its build assumed (shapes, strides, dtypes and devices are in the signature it is
-    stored under; torch's current device must be the launch's)."""
+    stored under; torch's current device must be the launch's). ``compiled``: registered with the compiled launcher
+    (:mod:`~flashquant_hf.kernels.decode_launcher`)."""
 
     launch: PreparedDecode
     alignment: tuple[int, ...]  # per address the wrapper checks (bytes)
+    compiled: bool = False
 
 
 _PREPARED: dict[tuple, PreparedCall] = {}
+
+
+def compiled_launcher() -> Any:
+    """The compiled launcher of prepared calls where it serves (built, and ``FAST_LAUNCH``), else None."""
+    return decode_launcher.module() if FAST_LAUNCH else None
+
+
+def run_compiled(tensors: tuple, values: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The call registered with the compiled launcher under ``tensors`` and ``values`` (see
+    :func:`remember_compiled`), launched: (out, lse), or None when it does not serve this call (the wrapper then
+    checks and launches it itself)."""
+    launcher = compiled_launcher()
+    if launcher is None:
+        return None
+    try:
+        return launcher.run(tensors, values)
+    except (TypeError, ValueError, RuntimeError):  # arguments it cannot read: the wrapper's checks name them
+        return None
+
+
+def remember_compiled(found: PreparedCall | None, tensors: tuple, values: tuple, alignment: tuple[int, ...],
+                      out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Register a prepared call with the compiled launcher (starting its build the first time): ``tensors`` in the
+    order of the decode's pointer arguments (None where absent), ``values`` the other arguments led by the
+    wrapper's tag, ``alignment`` per tensor; ``out`` / ``lse`` give the output shapes."""
+    if found is None or found.compiled or not FAST_LAUNCH:
+        return
+    programmatic = PROGRAMMATIC_LAUNCH and found.launch.decode.programmatic_config is not None
+    found.compiled = decode_launcher.remember(tensors, values, found.launch, alignment, tuple(out.shape),
+                                              tuple(lse.shape), programmatic)
 
 
 def call_signature(wrapper: str, tensors: tuple, *values: Any) -> tuple | None:
@@ -583,13 +616,14 @@ def prepared_call(signature: tuple | None) -> PreparedCall | None:
     return None
 
 
-def remember_call(signature: tuple | None, launch: PreparedDecode | None, alignment: tuple[int, ...]) -> None:
-    """Keep a checked call's prepared launch for later calls of the same signature."""
+def remember_call(signature: tuple | None, launch: PreparedDecode | None, alignment: tuple[int, ...]) -> PreparedCall | None:
+    """Keep a checked call's prepared launch for later calls of the same signature (returned)."""
     if signature is None or launch is None:
-        return
+        return None
     if len(_PREPARED) >= _CACHE_LIMIT:
         _PREPARED.clear()
-    _PREPARED[signature] = PreparedCall(launch, alignment)
+    found = _PREPARED[signature] = PreparedCall(launch, alignment)
+    return found
 
 
 def check_query(q_rot: torch.Tensor, rank: int, layout: str) -> None:

@@ -14,9 +14,13 @@ import torch
 from torch import Tensor
 
 from ..paged import BLOCK_SIZES, PagedLayout
+from . import decode_launcher
 from .decode_launch import (
-    MODE_PAGED, NULL, call_signature, check_codebooks, check_query, prepared_call, remember_call, run_decode,
+    MODE_PAGED, NULL, call_signature, check_codebooks, check_query, prepared_call, remember_call, remember_compiled,
+    run_compiled, run_decode,
 )
+
+BLOCKS_ALIGNMENT = (1, 16, 1, 1, 1, 1)  # per pointer argument: the blocks' bulk copies need 16-byte alignment
 
 
 def _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size, k_bits, v_bits) -> PagedLayout:
@@ -63,9 +67,14 @@ def paged_decode(
     """
     scale = float(scale)
     signature = None
+    # In the order of the kernel's pointer arguments; the compiled launcher serves calls prepared before.
+    tensors = (q_rot, blocks, block_table, seq_lens, k_centroids, v_centroids)
+    values = (decode_launcher.PAGED_DECODE, k_bits, v_bits, scale, block_size, max_seq_len)
     if max_seq_len is not None:  # otherwise the plan follows the lengths read from the device
-        signature = call_signature("paged_decode", (q_rot, blocks, block_table, seq_lens, k_centroids, v_centroids),
-                                   k_bits, v_bits, scale, block_size, max_seq_len)
+        result = run_compiled(tensors, values)
+        if result is not None:
+            return result
+        signature = call_signature("paged_decode", tensors, k_bits, v_bits, scale, block_size, max_seq_len)
     prepared = prepared_call(signature)
     if prepared is not None:
         address = blocks.data_ptr()
@@ -75,6 +84,7 @@ def paged_decode(
             lse = torch.empty(num_seqs, q_heads, dtype=torch.float32, device=q_rot.device)
             prepared.launch((q_rot.data_ptr(), address, block_table.data_ptr(), seq_lens.data_ptr(),
                              k_centroids.data_ptr(), v_centroids.data_ptr()), out.data_ptr(), lse.data_ptr())
+            remember_compiled(prepared, tensors, values, BLOCKS_ALIGNMENT, out, lse)
             return out, lse
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     layout = _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size, k_bits, v_bits)
@@ -102,5 +112,6 @@ def paged_decode(
         MODE_PAGED, q_rot, tuple(q_rot.stride()), tensor_args, num_seqs, kv_heads, group, max_len,
         (k_centroids, v_centroids), (k_bits, v_bits), scale, out, lse, layout.log2_block_size,
     )
-    remember_call(signature, launched, (16,))  # the blocks' address
+    found = remember_call(signature, launched, BLOCKS_ALIGNMENT[1:2])  # the blocks' address
+    remember_compiled(found, tensors, values, BLOCKS_ALIGNMENT, out, lse)
     return out, lse

@@ -14,10 +14,11 @@ from torch import Tensor
 
 from . import checks
 from ..packing import packed_size
+from . import decode_launcher
 from .decode_launch import (
     MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, PreparedDecode, call_signature, check_codebooks, check_query,
-    contiguous_runs_staged, contiguous_staging_pays,
-    prepared_call, remember_call, run_decode, slice_alignment, TMA_OPTION,
+    contiguous_runs_staged, contiguous_staging_pays, prepared_call, remember_call, remember_compiled, run_compiled,
+    run_decode, slice_alignment, TMA_OPTION,
 )
 
 
@@ -76,8 +77,13 @@ def tq_decode(
     k_norms, v_norms, k_centroids, v_centroids, scale, causal, key_bias : as for the reference
     """
     scale = float(scale)
-    signature = call_signature("tq_decode", (q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids,
-                                             key_bias), k_bits, v_bits, scale)
+    # In the order of the kernel's pointer arguments; the compiled launcher serves calls prepared before.
+    tensors = (q_rot, k_packed, k_norms, v_packed, v_norms, key_bias, k_centroids, v_centroids)
+    values = (decode_launcher.TQ_DECODE, k_bits, v_bits, scale)
+    result = run_compiled(tensors, values)
+    if result is not None:
+        return result
+    signature = call_signature("tq_decode", tensors, k_bits, v_bits, scale)
     prepared = prepared_call(signature)
     if prepared is not None:
         runs = (k_packed.data_ptr(), k_norms.data_ptr(), v_packed.data_ptr(), v_norms.data_ptr())
@@ -89,6 +95,7 @@ def tq_decode(
                 inputs += (key_bias.data_ptr(),)
             prepared.launch((*inputs, k_centroids.data_ptr(), v_centroids.data_ptr()), out.data_ptr(),
                             lse.data_ptr())
+            remember_compiled(prepared, tensors, values, _tensor_alignment(prepared.alignment), out, lse)
             return out, lse
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
@@ -107,8 +114,14 @@ def tq_decode(
         else:
             alignment = (slice_alignment(head_dim, k_bits, keys=True), 4, slice_alignment(head_dim, v_bits, keys=False),
                          4)
-        remember_call(signature, launched, alignment)
+        found = remember_call(signature, launched, alignment)
+        remember_compiled(found, tensors, values, _tensor_alignment(alignment), out, lse)
     return out, lse
+
+
+def _tensor_alignment(runs: tuple[int, ...]) -> tuple[int, ...]:
+    """The alignment of each of tq_decode's tensors (query, the four runs, key bias, centroids) from the runs'."""
+    return (1, *runs, 1, 1, 1)
 
 
 def launch_contiguous(

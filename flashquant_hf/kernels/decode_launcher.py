@@ -1,0 +1,120 @@
+"""The compiled launcher of prepared decode calls (``cuda/decode_launcher.cpp``).
+
+A decode call whose signature (tensor shapes, strides, dtypes, devices and the other arguments) was seen before needs
+only its pointers written and its kernels launched. In Python the signature, its lookup, the two output allocations
+and the two launches cost more host time than the GPU spends on a short decode; the compiled launcher does the same
+work in one C++ call. It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; no CUDA toolkit) in
+a background thread the first time a decode call is prepared, and every call prepared from then on is registered
+with it. Until it is built, or where it cannot be built (said once in the log), the Python launcher
+(:class:`~flashquant_hf.kernels.decode_launch.PreparedDecode`) serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..log import warn_once
+from . import loader
+
+logger = logging.getLogger(__name__)
+
+SOURCE = "decode_launcher.cpp"
+EXTENSION_NAME = "flashquant_hf_decode_launcher"
+ENABLED = True  # False: the Python launcher serves every call (tests compare both)
+# Wrapper tags leading a call's values, so two wrappers' signatures never meet.
+TQ_DECODE, PAGED_DECODE = 0, 1
+
+_module: Any = None
+_build_thread: threading.Thread | None = None
+_build_lock = threading.Lock()
+
+
+def module() -> Any:
+    """The built launcher, or None (disabled, not built yet, or its build failed)."""
+    return _module if ENABLED else None
+
+
+def _source_path() -> Path:
+    path = loader.CUDA_DIR / SOURCE
+    if not isinstance(path, Path):  # a wheel's package resource: the zip-safe path of an installed file
+        path = Path(str(path))
+    return path
+
+
+def _build() -> None:
+    global _module
+    try:
+        from torch.utils.cpp_extension import load
+
+        _module = load(name=EXTENSION_NAME, sources=[str(_source_path())], extra_cflags=["-O2"],
+                       extra_ldflags=["-ldl"], verbose=False)
+    except Exception as error:  # no compiler, no ninja, no Python headers: the Python launcher serves
+        warn_once(logger, f"flashquant-hf could not build its compiled decode launcher ({type(error).__name__}: "
+                          f"{str(error).strip().splitlines()[-1] if str(error).strip() else ''}); decode calls launch "
+                          "from Python")
+
+
+def start_build() -> None:
+    """Build the launcher in a background thread (once per process)."""
+    global _build_thread
+    if not ENABLED:
+        return
+    with _build_lock:
+        if _build_thread is None:
+            _build_thread = threading.Thread(target=_build, name="flashquant-decode-launcher", daemon=True)
+            _build_thread.start()
+
+
+def wait(timeout: float | None = None) -> Any:
+    """Start the build if needed and wait for it; returns :func:`module`."""
+    start_build()
+    thread = _build_thread
+    if thread is not None:
+        thread.join(timeout)
+    return module()
+
+
+def _launch_spec(launch: loader.PreparedLaunch) -> tuple:
+    return (launch.function, launch.grid, launch.block, launch.shared_mem, launch.block_args.buffer.raw,
+            list(launch.slots))
+
+
+def remember(tensors: tuple, values: tuple, prepared: Any, alignment: tuple[int, ...],
+             out_shape: tuple[int, ...], lse_shape: tuple[int, ...], programmatic: bool) -> bool:
+    """Register a checked call with the launcher (once it is built): ``tensors`` in the order of the decode's pointer
+    arguments (None for an absent one), ``values`` the call's other arguments led by its wrapper tag, ``prepared``
+    its :class:`~flashquant_hf.kernels.decode_launch.PreparedDecode`, ``alignment`` the byte alignment each tensor's
+    address needs. False when there is no launcher yet (the build is then started), else True (registered, or left
+    to the Python launcher for values the compiled one does not key on)."""
+    launcher = module()
+    if launcher is None:
+        start_build()
+        return False
+    merge = None if prepared.merge is None else _launch_spec(prepared.merge)
+    workspace = [] if prepared.workspace is None else list(prepared.workspace)
+    try:
+        launcher.remember(list(tensors), values, prepared.decode.device_index, _launch_spec(prepared.decode), merge,
+                          workspace, list(alignment), list(out_shape), list(lse_shape), programmatic)
+    except (TypeError, ValueError):  # values it does not key on (e.g. NumPy integers): the Python launcher serves
+        pass
+    return True
+
+
+def run(tensors: tuple, values: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Launch the call registered under the signature of ``tensors`` and ``values``: (out, lse), or None when the
+    launcher is not built, nothing is registered under it, or the call needs the wrapper's checks."""
+    launcher = module()
+    if launcher is None:
+        return None
+    return launcher.run(tensors, values)
+
+
+def clear() -> None:
+    """Forget every registered call."""
+    if _module is not None:
+        _module.clear()

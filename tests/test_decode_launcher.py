@@ -1,0 +1,75 @@
+"""The compiled decode launcher (``cuda/decode_launcher.cpp``) builds with torch's C++ extension tooling and keys
+registered calls on everything a call's validity depends on: each tensor's rank, sizes, strides, dtype and device
+(None apart), and the other arguments with their types. GPU behaviour: tests/gpu/test_decode_launcher.py."""
+
+import pytest
+import torch
+
+from flashquant_hf.kernels import decode_launcher
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    module = decode_launcher.wait()
+    assert module is not None, "the compiled decode launcher did not build (C++ compiler and ninja are required)"
+    return module
+
+
+def spec(words: int = 6, slots=(0, 1, 4, 5)) -> tuple:
+    """A launch spec (function, grid, block, shared memory, parameter bytes, pointer slots); never launched here."""
+    return (0, (1, 1, 1), 32, 0, bytes(8 * words), list(slots))
+
+
+def remember(launcher, tensors, values, alignment=None):
+    alignment = [1] * len(tensors) if alignment is None else alignment
+    launcher.remember(list(tensors), values, 0, spec(), None, [], alignment, [1, 2], [1], False)
+
+
+def test_signature_keys_on_metadata_and_value_types(launcher):
+    launcher.clear()
+    base = torch.zeros(4, 8)
+    tensors, values = (base, None, torch.zeros(3, dtype=torch.uint8)), (0, 4, 4, 0.5)
+    remember(launcher, tensors, values)
+    remember(launcher, (torch.ones(4, 8), None, torch.ones(3, dtype=torch.uint8)), (0, 4, 4, 0.5))
+    assert launcher.size() == 1, "same metadata and values must share a registration"
+    variants = [
+        ((torch.zeros(8, 4), None, tensors[2]), values),  # sizes
+        ((torch.zeros(8, 4).t(), None, tensors[2]), values),  # strides (same sizes)
+        ((base.double(), None, tensors[2]), values),  # dtype
+        ((base, tensors[2], tensors[2]), values),  # None vs a tensor
+        ((base.unsqueeze(0), None, tensors[2]), values),  # rank
+        (tensors, (0, 4, 4, 0.25)),  # a value
+        (tensors, (0, 4, 4, 1)),
+        (tensors, (0, 4, 4, 1.0)),  # float vs int
+        (tensors, (0, 1, 4, 0.5)),
+        (tensors, (0, True, 4, 0.5)),  # bool vs int
+        (tensors, (1, 4, 4, 0.5)),  # the wrapper tag
+    ]
+    for count, (t, v) in enumerate(variants, start=2):
+        remember(launcher, t, v)
+        assert launcher.size() == count, f"variant {count - 2} should have its own registration"
+    launcher.clear()
+    assert launcher.size() == 0
+
+
+def test_unregistered_calls_and_malformed_registrations(launcher):
+    launcher.clear()
+    assert launcher.run([torch.zeros(2), None], (0, 4, 4, 0.5)) is None
+    with pytest.raises(ValueError, match="one alignment per tensor"):
+        launcher.remember([torch.zeros(2)], (0,), 0, spec(), None, [], [1, 1], [1], [1], False)
+    with pytest.raises(ValueError, match="pointer slot out of range"):
+        launcher.remember([torch.zeros(2)], (0,), 0, spec(slots=(0, 9)), None, [], [1], [1], [1], False)
+    with pytest.raises(ValueError, match="bools, ints or floats"):
+        launcher.remember([torch.zeros(2)], ("x",), 0, spec(), None, [], [1], [1], [1], False)
+    assert launcher.size() == 0, "a failed registration registers nothing"
+
+
+def test_disabled_launcher_serves_nothing(launcher, monkeypatch):
+    from flashquant_hf.kernels import decode_launch as dl
+
+    monkeypatch.setattr(decode_launcher, "ENABLED", False)
+    assert dl.compiled_launcher() is None
+    assert dl.run_compiled((torch.zeros(1),), (0,)) is None
+    monkeypatch.setattr(decode_launcher, "ENABLED", True)
+    monkeypatch.setattr(dl, "FAST_LAUNCH", False)
+    assert dl.compiled_launcher() is None
