@@ -34,7 +34,7 @@ def _checkout_files() -> dict[str, Path]:
     """Installed path (relative to site-packages) -> checkout file, for everything the wheel must carry."""
     files = {str(p.relative_to(CHECKOUT)): p for p in (CHECKOUT / "flashquant_hf").rglob("*.py")}
     files["flashquant_hf/py.typed"] = CHECKOUT / "flashquant_hf" / "py.typed"
-    for pattern in ("*.cu", "*.cuh"):
+    for pattern in ("*.cu", "*.cuh", "*.cpp"):
         files.update({f"flashquant_hf/cuda/{p.name}": p for p in (CHECKOUT / "cuda").glob(pattern)})
     return files
 

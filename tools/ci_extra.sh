@@ -9,7 +9,7 @@
 #      tests/test_cuda_compile.py (every kernel source compiled by nvcc for sm_80 and sm_90; skipped without
 #      nvcc; the test command deselects its compiles from the run on the checkout, which would repeat them on the
 #      same bytes) and the tests of everything that meets transformers (cache, attention, generate, models, eval,
-#      tensor parallelism).
+#      tensor parallelism), and the compiled decode launcher built from the installed source.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -43,7 +43,7 @@ if ! command -v nvcc > /dev/null; then
 fi
 
 tests=()
-for name in installed cuda_compile cache codec eval generate models tensor_parallel; do
+for name in installed cuda_compile decode_launcher cache codec eval generate models tensor_parallel; do
     tests+=("$repo/tests/test_$name.py")
 done
 rc=0
