@@ -616,7 +616,8 @@ def prepared_call(signature: tuple | None) -> PreparedCall | None:
     return None
 
 
-def remember_call(signature: tuple | None, launch: PreparedDecode | None, alignment: tuple[int, ...]) -> PreparedCall | None:
+def remember_call(signature: tuple | None, launch: PreparedDecode | None,
+                  alignment: tuple[int, ...]) -> PreparedCall | None:
     """Keep a checked call's prepared launch for later calls of the same signature (returned)."""
     if signature is None or launch is None:
         return None

@@ -16,8 +16,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..log import warn_once
 from . import loader
 
@@ -103,15 +101,6 @@ def remember(tensors: tuple, values: tuple, prepared: Any, alignment: tuple[int,
     except (TypeError, ValueError):  # values it does not key on (e.g. NumPy integers): the Python launcher serves
         pass
     return True
-
-
-def run(tensors: tuple, values: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Launch the call registered under the signature of ``tensors`` and ``values``: (out, lse), or None when the
-    launcher is not built, nothing is registered under it, or the call needs the wrapper's checks."""
-    launcher = module()
-    if launcher is None:
-        return None
-    return launcher.run(tensors, values)
 
 
 def clear() -> None:
