@@ -559,7 +559,7 @@ class PreparedCall:
     (:mod:`~flashquant_hf.kernels.decode_launcher`)."""
 
     launch: PreparedDecode
-    alignment: tuple[int, ...]  # per address the wrapper checks (bytes)
+    alignment: tuple[int, ...]  # per tensor of the call, in the order of the decode's pointer arguments (bytes)
     compiled: bool = False
 
 
@@ -584,15 +584,15 @@ def run_compiled(tensors: tuple, values: tuple) -> tuple[torch.Tensor, torch.Ten
         return None
 
 
-def remember_compiled(found: PreparedCall | None, tensors: tuple, values: tuple, alignment: tuple[int, ...],
-                      out: torch.Tensor, lse: torch.Tensor) -> None:
+def remember_compiled(found: PreparedCall | None, tensors: tuple, values: tuple, out: torch.Tensor,
+                      lse: torch.Tensor) -> None:
     """Register a prepared call with the compiled launcher (starting its build the first time): ``tensors`` in the
-    order of the decode's pointer arguments (None where absent), ``values`` the other arguments led by the
-    wrapper's tag, ``alignment`` per tensor; ``out`` / ``lse`` give the output shapes."""
+    order of the decode's pointer arguments (None where absent, as ``found.alignment`` lists them), ``values`` the
+    other arguments led by the wrapper's tag; ``out`` / ``lse`` give the output shapes."""
     if found is None or found.compiled or not FAST_LAUNCH:
         return
     programmatic = PROGRAMMATIC_LAUNCH and found.launch.decode.programmatic_config is not None
-    found.compiled = decode_launcher.remember(tensors, values, found.launch, alignment, tuple(out.shape),
+    found.compiled = decode_launcher.remember(tensors, values, found.launch, found.alignment, tuple(out.shape),
                                               tuple(lse.shape), programmatic)
 
 

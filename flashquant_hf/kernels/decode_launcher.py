@@ -60,7 +60,7 @@ def _build() -> None:
 def start_build() -> None:
     """Build the launcher in a background thread (once per process)."""
     global _build_thread
-    if not ENABLED:
+    if not ENABLED or _build_thread is not None:  # the common case, without the lock (prepared calls ask each time)
         return
     with _build_lock:
         if _build_thread is None:

@@ -20,7 +20,7 @@ from .decode_launch import (
     run_compiled, run_decode,
 )
 
-BLOCKS_ALIGNMENT = (1, 16, 1, 1, 1, 1)  # per pointer argument: the blocks' bulk copies need 16-byte alignment
+BLOCKS_ALIGNMENT = (1, 16, 1, 1, 1, 1)  # per tensor of a call: the blocks' bulk copies need 16-byte alignment
 
 
 def _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size, k_bits, v_bits) -> PagedLayout:
@@ -78,13 +78,13 @@ def paged_decode(
     prepared = prepared_call(signature)
     if prepared is not None:
         address = blocks.data_ptr()
-        if not address % prepared.alignment[0]:
+        if not address % prepared.alignment[1]:
             num_seqs, q_heads, head_dim = q_rot.shape
             out = torch.empty(num_seqs, q_heads, head_dim, dtype=torch.float32, device=q_rot.device)
             lse = torch.empty(num_seqs, q_heads, dtype=torch.float32, device=q_rot.device)
             prepared.launch((q_rot.data_ptr(), address, block_table.data_ptr(), seq_lens.data_ptr(),
                              k_centroids.data_ptr(), v_centroids.data_ptr()), out.data_ptr(), lse.data_ptr())
-            remember_compiled(prepared, tensors, values, BLOCKS_ALIGNMENT, out, lse)
+            remember_compiled(prepared, tensors, values, out, lse)
             return out, lse
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     layout = _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size, k_bits, v_bits)
@@ -112,6 +112,6 @@ def paged_decode(
         MODE_PAGED, q_rot, tuple(q_rot.stride()), tensor_args, num_seqs, kv_heads, group, max_len,
         (k_centroids, v_centroids), (k_bits, v_bits), scale, out, lse, layout.log2_block_size,
     )
-    found = remember_call(signature, launched, BLOCKS_ALIGNMENT[1:2])  # the blocks' address
-    remember_compiled(found, tensors, values, BLOCKS_ALIGNMENT, out, lse)
+    found = remember_call(signature, launched, BLOCKS_ALIGNMENT)
+    remember_compiled(found, tensors, values, out, lse)
     return out, lse

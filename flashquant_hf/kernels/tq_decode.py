@@ -87,15 +87,15 @@ def tq_decode(
     prepared = prepared_call(signature)
     if prepared is not None:
         runs = (k_packed.data_ptr(), k_norms.data_ptr(), v_packed.data_ptr(), v_norms.data_ptr())
-        if not (runs[0] % prepared.alignment[0] or runs[1] % prepared.alignment[1] or runs[2] % prepared.alignment[2]
-                or runs[3] % prepared.alignment[3]):
+        align = prepared.alignment  # the runs are tensors 1 to 4
+        if not (runs[0] % align[1] or runs[1] % align[2] or runs[2] % align[3] or runs[3] % align[4]):
             out, lse = decode_outputs(q_rot)
             inputs = (q_rot.data_ptr(), *runs)
             if key_bias is not None:
                 inputs += (key_bias.data_ptr(),)
             prepared.launch((*inputs, k_centroids.data_ptr(), v_centroids.data_ptr()), out.data_ptr(),
                             lse.data_ptr())
-            remember_compiled(prepared, tensors, values, _tensor_alignment(prepared.alignment), out, lse)
+            remember_compiled(prepared, tensors, values, out, lse)
             return out, lse
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
@@ -110,18 +110,12 @@ def tq_decode(
                                  v_bits, scale, key_bias, out, lse)
     if launched is not None:  # later calls check what this one's build assumed of the addresses
         if TMA_OPTION in launched.options:  # every run bulk-copied
-            alignment = (16, 16, 16, 16)
+            runs = (16, 16, 16, 16)
         else:
-            alignment = (slice_alignment(head_dim, k_bits, keys=True), 4, slice_alignment(head_dim, v_bits, keys=False),
-                         4)
-        found = remember_call(signature, launched, alignment)
-        remember_compiled(found, tensors, values, _tensor_alignment(alignment), out, lse)
+            runs = (slice_alignment(head_dim, k_bits, keys=True), 4, slice_alignment(head_dim, v_bits, keys=False), 4)
+        found = remember_call(signature, launched, (1, *runs, 1, 1, 1))  # per tensor: query, runs, bias, centroids
+        remember_compiled(found, tensors, values, out, lse)
     return out, lse
-
-
-def _tensor_alignment(runs: tuple[int, ...]) -> tuple[int, ...]:
-    """The alignment of each of tq_decode's tensors (query, the four runs, key bias, centroids) from the runs'."""
-    return (1, *runs, 1, 1, 1)
 
 
 def launch_contiguous(
