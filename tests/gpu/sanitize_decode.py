@@ -1,7 +1,7 @@
 """Tiny paged (block sizes 8-64, GQA 4 and 8, every code width at blocks of 8 and 16) + contiguous decode (several
 splits, so the merge runs too; every code width at head_dim 64 and 128, with register loads and, where the widths
-and 16-byte aligned runs allow it, staged tiles) and a 40-split merge (the merge's deep-batch variant) for
-compute-sanitizer:
+and 16-byte aligned runs allow it, staged tiles, also over splits of several steps) and a 40-split merge (the
+merge's deep-batch variant) for compute-sanitizer:
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize_decode.py [--warps 4] [--cupy-launch]
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_decode.py
@@ -90,6 +90,12 @@ def main() -> None:
             ow, _ = tq_decode(qw, kw_s, kn_s, vw_s, vn_s, codebook(bits[0], head_dim), codebook(bits[1], head_dim),
                               *bits, head_dim**-0.5)
             assert torch.isfinite(ow).all(), f"bits {bits}, head_dim {head_dim}, aligned runs"
+    # staged tiles over splits of several steps (64 units: four splits of 512-640 keys), so the stages are refilled
+    kl, vl = (torch.randint(0, 256, (8, 8, 2140, 48), dtype=torch.uint8, device=dev)[:, :, :2125] for _ in range(2))
+    knl, vnl = (torch.rand(8, 8, 2140, device=dev)[:, :, :2125] for _ in range(2))
+    ql = torch.randn(8, 32, 1, 128, device=dev, dtype=torch.bfloat16)
+    ol, _ = tq_decode(ql, kl, knl, vl, vnl, codebook(3), codebook(3), 3, 3, 128**-0.5)
+    assert torch.isfinite(ol).all(), "staged steps"
     outs, lses = torch.randn(40, 5, 128, device=dev), torch.randn(40, 5, device=dev)
     lses[3] = float("-inf")  # an empty split
     merged, _ = merge_partials(outs, lses)

@@ -76,6 +76,30 @@ def test_tq_decode_query_scale_outside_fp16_range(magnitude, cuda_gen):
     check((out, lse), q, cache, c, scale=scale)
 
 
+@pytest.mark.parametrize("bits", [(3, 3), (3, 2), (4, 3)])
+def test_tq_decode_staged_steps_refill_their_stages(bits, monkeypatch, poison, cuda_gen):
+    """Staged contiguous tiles over splits of several 128-key steps (64 units: four splits of 512-640 keys), so every
+    stage is refilled, the last split ending in a partial tile; outputs poisoned first."""
+    import flashquant_hf.kernels.decode_launch as dl
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("staged tiles are an sm_90 build")
+    num_keys = 2125
+    cache = random_cache(8, 8, num_keys, 128, capacity_extra=15, seed=sum(bits), k_bits=bits[0], v_bits=bits[1])
+    q = torch.randn(8, 32, 1, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
+    c_k, c_v = centroids(128, bits[0]), centroids(128, bits[1])
+    dl.clear_caches()
+    real_empty = torch.empty
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+        result = tq_decode(q, *cache, c_k, c_v, *bits, 128**-0.5)
+    (setup,) = dl._LAUNCHES.values()
+    assert dl.TMA_OPTION in setup.options, setup
+    assert setup.plan.splits > 1 and setup.plan.split_len >= 4 * dl.GRANULE, setup.plan
+    check(result, q, cache, c_k, c_v, bits=bits)
+
+
 def test_tq_decode_long_context_gqa4(cuda_gen):
     cache = random_cache(2, 8, 32768, 128, seed=7)
     q = torch.randn(2, 32, 1, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
