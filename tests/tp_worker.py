@@ -44,6 +44,9 @@ def main(model_dir: str, out_path: str, prompt_path: str, steps: int, device: st
             results[name + "_kv_heads"] = cache.layers[0].num_heads
     if dist.get_rank() == 0:
         torch.save(results, out_path)
+    # A rank that exits with its process group alive can abort in the backend's threads at interpreter shutdown.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def torchrun() -> str | None:
