@@ -12,9 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import checks
 from ..packing import packed_size
-from . import decode_launcher
+from . import checks, decode_launcher
 from .decode_launch import (
     MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, PreparedDecode, call_signature, check_codebooks, check_query,
     contiguous_runs_staged, contiguous_staging_pays, prepared_call, remember_call, remember_compiled, run_compiled,
