@@ -1,17 +1,13 @@
 import pytest
 import torch
 
-POISON = float("nan")
+from .poison import poison as poison_fill
 
 
 @pytest.fixture
 def poison():
     """Fill a tensor with a value no kernel writes (NaN for floats, 0xAB for bytes) before a launch."""
-
-    def fill(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(0xAB if t.dtype == torch.uint8 else POISON)
-
-    return fill
+    return poison_fill
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from flashquant_hf.reference.decode_merged import decode_merged as reference_dec
 from flashquant_hf.reference.merge_partials import merge_partials
 
 from .decode_helpers import DEV, centroids, compute_dtype, decode_in_dtype
+from .poison import poisoned_allocations
 from .test_tq_decode import random_cache
 
 
@@ -58,17 +59,15 @@ def test_decode_merged_matches_reference(capacity, bits, head_dim, with_bias):
     check(decode_merged(*args), args)
 
 
-def test_decode_merged_outputs_poisoned_before_launch(monkeypatch, poison):
+def test_decode_merged_outputs_poisoned_before_launch():
     """Every output and workspace element is written: torch.empty hands out NaN-filled buffers."""
     from flashquant_hf.kernels import decode_launch
     from flashquant_hf.kernels.decode_merged import decode_merged
 
-    real_empty = torch.empty
     args = _inputs(2, 8, 2, 5000, 128, (4, 4), seed=12)  # several splits
     decode_launch.clear_caches()
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
-    result = decode_merged(*args)
-    monkeypatch.undo()
+    with poisoned_allocations():
+        result = decode_merged(*args)
     check(result, args)
 
 

@@ -3,7 +3,6 @@ attention in the same dtype (tests/tolerance.py)."""
 
 from __future__ import annotations
 
-import math
 import random
 from concurrent.futures import ThreadPoolExecutor
 

@@ -13,6 +13,7 @@ from flashquant_hf.paged import PagedLayout, PagedTQCache
 from flashquant_hf.reference.paged_decode import paged_decode as reference_paged_decode
 
 from .decode_helpers import DEV, WIDTHS, centroids, compute_dtype, decode_in_dtype
+from .poison import poisoned_allocations
 
 
 def random_store(lens, block_size, kv_heads, head_dim, seed=0, k_bits=4, v_bits=4):
@@ -36,16 +37,14 @@ def random_store(lens, block_size, kv_heads, head_dim, seed=0, k_bits=4, v_bits=
     return blocks, table.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
-def decode_poisoned(monkeypatch, poison, *args):
+def decode_poisoned(*args):
     """``paged_decode(*args)`` from cleared caches with every ``torch.empty`` poisoned; returns its result and the
     one launch it planned."""
     import flashquant_hf.kernels.decode_launch as dl
     from flashquant_hf.kernels.paged_decode import paged_decode
 
     dl.clear_caches()
-    real_empty = torch.empty
-    with monkeypatch.context() as patched:
-        patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    with poisoned_allocations():
         result = paged_decode(*args)
     (setup,) = dl._LAUNCHES.values()
     return result, setup
@@ -123,20 +122,18 @@ def test_paged_decode_head_dim_256(cuda_gen):
     check(q, blocks, table, lens_t, 32)
 
 
-def test_paged_decode_all_empty_and_poisoned_outputs(monkeypatch, poison, cuda_gen):
-    blocks, table, lens_t = random_store([0, 0], 16, 2, 128)
-    q = torch.randn(2, 8, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+def test_paged_decode_all_empty_and_poisoned_outputs(cuda_gen):
     from flashquant_hf.kernels.paged_decode import paged_decode
 
+    blocks, table, lens_t = random_store([0, 0], 16, 2, 128)
+    q = torch.randn(2, 8, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
     c = centroids(128)
-    out, lse = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.1, 16)
-    monkeypatch.undo()
+    with poisoned_allocations():
+        out, lse = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 0.1, 16)
     assert torch.all(lse == -math.inf) and torch.all(out == 0)
 
 
-def test_paged_decode_poisoned_multi_split(monkeypatch, poison, cuda_gen):
+def test_paged_decode_poisoned_multi_split(cuda_gen):
     import flashquant_hf.kernels.decode_launch as dl
     from flashquant_hf.kernels.paged_decode import paged_decode
 
@@ -144,11 +141,9 @@ def test_paged_decode_poisoned_multi_split(monkeypatch, poison, cuda_gen):
     blocks, table, lens_t = random_store(lens, 16, 2, 128, seed=6)
     q = torch.randn(3, 8, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
     dl.clear_caches()
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     c = centroids(128)
-    out, lse = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 128**-0.5, 16, max_seq_len=20000)
-    monkeypatch.undo()
+    with poisoned_allocations():
+        out, lse = paged_decode(q, blocks, table, lens_t, c, c, 4, 4, 128**-0.5, 16, max_seq_len=20000)
     check(q, blocks, table, lens_t, 16, result=(out, lse))
 
 
@@ -222,7 +217,7 @@ def test_paged_decode_fast_launch_matches_cupy_launch(monkeypatch, cuda_gen):
         check(q, blocks, table, lens_t, 16, result=fast, scale=0.09)
 
 
-def test_paged_decode_balanced_places(monkeypatch, poison, cuda_gen):
+def test_paged_decode_balanced_places(monkeypatch, cuda_gen):
     """66 units x 4 splits fill the H200's 264 places: the plan gives the 132 first places (the CTAs numbered first)
     longer splits than the second ones (``balance_places``); ragged lengths leave some short splits partial or
     empty. Outputs poisoned first; both plans match the reference."""
@@ -237,8 +232,7 @@ def test_paged_decode_balanced_places(monkeypatch, poison, cuda_gen):
     results = {}
     for speedup in (1.09, 1.0):
         monkeypatch.setattr(dl, "FIRST_PLACE_SPEEDUP", speedup)
-        results[speedup], setup = decode_poisoned(monkeypatch, poison, q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16,
-                                                  16384)
+        results[speedup], setup = decode_poisoned(q, blocks, table, lens_t, c, c, 4, 4, 0.09, 16, 16384)
         assert (setup.plan.long_splits is not None) == (speedup != 1.0), setup.plan
     for result in results.values():
         check(q, blocks, table, lens_t, 16, result=result, scale=0.09)
@@ -271,7 +265,7 @@ def test_paged_decode_rising_scores(dtype, block_size, cuda_gen):
 
 @pytest.mark.parametrize("group", [3, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_paged_decode_staged_and_register_tiles(group, head_dim, monkeypatch, poison, cuda_gen):
+def test_paged_decode_staged_and_register_tiles(group, head_dim, monkeypatch, cuda_gen):
     """Blocks of 16 keys: the tiles bulk-copied into shared memory (sm_90) and the register loads (other GPUs,
     TMA_TILES False) both equal the reference on ragged sequences (a split's partial last tile, empty and
     one-key sequences), with the paired build (GQA 3: three of its four head slots) and the 8-slot one; outputs
@@ -285,7 +279,7 @@ def test_paged_decode_staged_and_register_tiles(group, head_dim, monkeypatch, po
     staged_available = torch.cuda.get_device_capability()[0] == 9
     for staged in (True, False):
         monkeypatch.setattr(dl, "TMA_TILES", staged)
-        result, setup = decode_poisoned(monkeypatch, poison, q, blocks, table, lens_t, c, c, 4, 4, head_dim**-0.5, 16)
+        result, setup = decode_poisoned(q, blocks, table, lens_t, c, c, 4, 4, head_dim**-0.5, 16)
         assert (setup.prefetch == dl.TMA_PREFETCH_CHUNKS and setup.plan.shared_mem > dl.LUT_BYTES + dl.MAX_PAGE_BYTES) \
             == (staged and staged_available), setup
         check(q, blocks, table, lens_t, 16, result=result)
@@ -315,14 +309,13 @@ def test_paged_decode_widths_head_dims(bits, head_dim, cuda_gen):
 
 
 @pytest.mark.parametrize("bits", [(4, 4), (3, 2)])
-def test_paged_decode_prepared_call_follows_every_pointer(bits, monkeypatch, poison, cuda_gen):
+def test_paged_decode_prepared_call_follows_every_pointer(bits, cuda_gen):
     """With ``max_seq_len`` given, calls of one signature reuse the first call's prepared launch: a loop over
     different stores, tables, lengths and queries of the same shapes (several splits, then one) gives each call its
     own result, outputs poisoned before every launch."""
     import flashquant_hf.kernels.decode_launch as dl
     from flashquant_hf.kernels.paged_decode import paged_decode
 
-    real_empty = torch.empty
     dl.clear_caches()
     ck, cv = centroids(128, bits[0]), centroids(128, bits[1])
     for lens_list in ([[3000, 700], [2999, 2001], [17, 3000]], [[40, 9], [33, 1]]):
@@ -332,8 +325,7 @@ def test_paged_decode_prepared_call_follows_every_pointer(bits, monkeypatch, poi
                                                  v_bits=bits[1])
             lens_t.copy_(torch.tensor(lens, dtype=torch.int32))
             q = torch.randn(2, 8, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
-            with monkeypatch.context() as patched:
-                patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+            with poisoned_allocations():
                 result = paged_decode(q, blocks, table, lens_t, ck, cv, *bits, 128**-0.5, 16, max_len)
             check(q, blocks, table, lens_t, 16, bits=bits, result=result)
     assert dl._PREPARED, "the calls above should have gone through a prepared launch"

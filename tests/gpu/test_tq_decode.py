@@ -11,6 +11,7 @@ from flashquant_hf.packing import packed_size
 from flashquant_hf.reference.tq_attention import tq_attention as reference_attention
 
 from .decode_helpers import DEV, WIDTHS, centroids, compute_dtype, decode_in_dtype
+from .poison import poisoned_allocations
 
 
 def random_cache(batch, kv_heads, num_keys, head_dim, capacity_extra=0, seed=0, k_bits=4, v_bits=4):
@@ -77,7 +78,7 @@ def test_tq_decode_query_scale_outside_fp16_range(magnitude, cuda_gen):
 
 
 @pytest.mark.parametrize("bits", [(3, 3), (3, 2), (4, 3)])
-def test_tq_decode_staged_steps_refill_their_stages(bits, monkeypatch, poison, cuda_gen):
+def test_tq_decode_staged_steps_refill_their_stages(bits, cuda_gen):
     """Staged contiguous tiles over splits of several 128-key steps (64 units: four splits of 512-640 keys), so every
     stage is refilled, the last split ending in a partial tile; outputs poisoned first."""
     import flashquant_hf.kernels.decode_launch as dl
@@ -90,9 +91,7 @@ def test_tq_decode_staged_steps_refill_their_stages(bits, monkeypatch, poison, c
     q = torch.randn(8, 32, 1, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
     c_k, c_v = centroids(128, bits[0]), centroids(128, bits[1])
     dl.clear_caches()
-    real_empty = torch.empty
-    with monkeypatch.context() as patched:
-        patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    with poisoned_allocations():
         result = tq_decode(q, *cache, c_k, c_v, *bits, 128**-0.5)
     (setup,) = dl._LAUNCHES.values()
     assert dl.TMA_OPTION in setup.options, setup
@@ -186,22 +185,16 @@ def test_tq_decode_key_bias_padding(cuda_gen):
     check((out, lse), q, cache, c, key_bias=bias)
 
 
-def test_tq_decode_outputs_poisoned_before_launch(monkeypatch, poison, cuda_gen):
+def test_tq_decode_outputs_poisoned_before_launch(cuda_gen):
     """The kernel must write every output element: make torch.empty hand out NaN-filled buffers."""
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs):
-        return poison(real_empty(*args, **kwargs))
-
     cache = random_cache(2, 2, 5000, 128, seed=12)  # several splits -> workspace + merge
     q = torch.randn(2, 8, 1, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
     c = centroids(128)
     import flashquant_hf.kernels.decode_launch as dl
 
     dl.clear_caches()
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
-    out, lse = run(q, cache, c)
-    monkeypatch.undo()
+    with poisoned_allocations():
+        out, lse = run(q, cache, c)
     check((out, lse), q, cache, c)
 
 
@@ -331,10 +324,7 @@ def check_widths(q, cache, k_bits, v_bits, key_bias=None):
     ck, cv = centroids(head_dim, k_bits), centroids(head_dim, v_bits)
     scale = head_dim**-0.5
     dl.clear_caches()
-    real_empty = torch.empty
-    with pytest.MonkeyPatch.context() as patched:
-        patched.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
-                        if k.get("dtype", torch.float32) == torch.float32 else real_empty(*a, **k))
+    with poisoned_allocations():
         out, lse = tq_decode(q, *cache, ck, cv, k_bits, v_bits, scale, key_bias=key_bias)
     check((out, lse), q, cache, ck, cv, (k_bits, v_bits), key_bias)
 
@@ -374,13 +364,12 @@ def test_tq_decode_widths_key_bias_and_empty(bits, cuda_gen):
     check_widths(q, empty, *bits)
 
 
-def test_tq_decode_prepared_call_follows_every_pointer(poison, monkeypatch, cuda_gen):
+def test_tq_decode_prepared_call_follows_every_pointer(cuda_gen):
     """Calls of one signature after the first reuse its prepared launch and only rewrite pointers: each call of a
     loop over different caches, queries, centroids and key biases (one and several splits) gives its own result;
     the outputs are poisoned before every launch."""
     import flashquant_hf.kernels.decode_launch as dl
 
-    real_empty = torch.empty
     dl.clear_caches()
     for num_keys, batch in ((5000, 2), (300, 2)):  # several splits (workspace + merge), then one
         caches = [random_cache(batch, 2, num_keys, 128, capacity_extra=11, seed=60 + i) for i in range(3)]
@@ -391,8 +380,7 @@ def test_tq_decode_prepared_call_follows_every_pointer(poison, monkeypatch, cuda
                 bias = torch.zeros(batch, num_keys, device=DEV)
                 bias[i % batch, : 17 * (i + 1)] = -math.inf
                 c = books[(i + round_) % 3]
-                with monkeypatch.context() as patched:
-                    patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+                with poisoned_allocations():
                     result = run(q, cache, c, bias)
                 check(result, q, cache, c, key_bias=bias)
     assert dl._PREPARED, "the calls above should have gone through a prepared launch"
@@ -418,16 +406,16 @@ def test_tq_decode_prepared_call_still_rejects_misaligned_codes(cuda_gen):
 @pytest.mark.parametrize("bits", [(4, 4), (3, 3), (3, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [4, 8])
-def test_tq_decode_staged_and_register_tiles(bits, head_dim, group, monkeypatch, poison, cuda_gen):
+def test_tq_decode_staged_and_register_tiles(bits, head_dim, group, monkeypatch, cuda_gen):
     """Contiguous runs bulk-copied per tile into shared memory (sm_90, widths whose register loads are narrow, rows
     packed and every run 16-byte aligned) and the register loads (TMA_TILES False, other widths, or a capacity whose
     norm runs are not 16-byte aligned) all equal the
     reference: several splits with a partial last tile (read from global memory), one key, 17 keys; outputs
     poisoned first."""
     import flashquant_hf.kernels.decode_launch as dl
+    from flashquant_hf.kernels.tq_decode import tq_decode
 
     staged_available = torch.cuda.get_device_capability()[0] == 9
-    real_empty = torch.empty
     c_k, c_v = centroids(head_dim, bits[0]), centroids(head_dim, bits[1])
     for num_keys in (4100, 1, 17):
         for extra, tma in ((12, True), (13, True), (12, False)):  # capacity % 4 == 0: norm runs 16-byte aligned
@@ -436,10 +424,7 @@ def test_tq_decode_staged_and_register_tiles(bits, head_dim, group, monkeypatch,
             cache = random_cache(2, 2, num_keys, head_dim, capacity_extra=extra + (-num_keys) % 4,
                                  seed=num_keys + extra, k_bits=bits[0], v_bits=bits[1])
             q = torch.randn(2, 2 * group, 1, head_dim, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
-            with monkeypatch.context() as patched:
-                patched.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
-                from flashquant_hf.kernels.tq_decode import tq_decode
-
+            with poisoned_allocations():
                 result = tq_decode(q, *cache, c_k, c_v, *bits, head_dim**-0.5)
             (setup,) = dl._LAUNCHES.values()
             staged = dl.TMA_OPTION in setup.options
