@@ -209,7 +209,6 @@ py::object run(const std::vector<std::optional<at::Tensor>>& tensors, const py::
       pointers.push_back(reinterpret_cast<uintptr_t>(out.data_ptr()));
       pointers.push_back(reinterpret_cast<uintptr_t>(lse.data_ptr()));
     }
-    if (pointers.size() != decode.slots.size()) throw std::runtime_error("decode call: pointer count mismatch");
     for (size_t i = 0; i < pointers.size(); ++i) decode.words[decode.slots[i]] = pointers[i];
     decode.launch(stream, programmatic);
     if (call->merge) {
@@ -217,7 +216,6 @@ py::object run(const std::vector<std::optional<at::Tensor>>& tensors, const py::
       const uint64_t merged[4] = {call->partials[0], call->partials[1],
                                   reinterpret_cast<uintptr_t>(out.data_ptr()),
                                   reinterpret_cast<uintptr_t>(lse.data_ptr())};
-      if (merge.slots.size() != 4) throw std::runtime_error("decode call: the merge takes four pointers");
       for (size_t i = 0; i < 4; ++i) merge.words[merge.slots[i]] = merged[i];
       merge.launch(stream, programmatic);
     }
@@ -236,6 +234,8 @@ void remember(const std::vector<std::optional<at::Tensor>>& tensors, const py::t
   for (int64_t a : alignment) {
     if (a < 1) throw std::invalid_argument("alignments are positive");
   }
+  size_t present = 0;
+  for (const auto& maybe : tensors) present += maybe.has_value();
   auto call = std::make_shared<PreparedCall>();
   call->device = static_cast<c10::DeviceIndex>(device);
   call->alignment = alignment;
@@ -243,9 +243,13 @@ void remember(const std::vector<std::optional<at::Tensor>>& tensors, const py::t
   call->lse_shape = lse_shape;
   call->programmatic = programmatic;
   call->decode.emplace(decode);
+  if (call->decode->slots.size() != present + 2) {  // run() writes them without a check
+    throw std::invalid_argument("the decode launch needs a pointer slot per tensor and two for its outputs");
+  }
   if (!merge.is_none()) {
     if (partials.size() != 2) throw std::invalid_argument("a merged call names its two partial buffers");
     call->merge.emplace(merge.cast<py::tuple>());
+    if (call->merge->slots.size() != 4) throw std::invalid_argument("the merge launch takes four pointers");
     call->workspace = partials;
     call->partials[0] = reinterpret_cast<uintptr_t>(partials[0].data_ptr());
     call->partials[1] = reinterpret_cast<uintptr_t>(partials[1].data_ptr());

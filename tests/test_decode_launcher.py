@@ -22,7 +22,8 @@ def spec(words: int = 6, slots=(0, 1, 4, 5)) -> tuple:
 
 def remember(launcher, tensors, values, alignment=None):
     alignment = [1] * len(tensors) if alignment is None else alignment
-    launcher.remember(list(tensors), values, 0, spec(), None, [], alignment, [1, 2], [1], False)
+    slots = range(sum(t is not None for t in tensors) + 2)  # one per tensor, two for the outputs
+    launcher.remember(list(tensors), values, 0, spec(slots=slots), None, [], alignment, [1, 2], [1], False)
 
 
 def test_signature_keys_on_metadata_and_value_types(launcher):
@@ -60,7 +61,13 @@ def test_unregistered_calls_and_malformed_registrations(launcher):
     with pytest.raises(ValueError, match="pointer slot out of range"):
         launcher.remember([torch.zeros(2)], (0,), 0, spec(slots=(0, 9)), None, [], [1], [1], [1], False)
     with pytest.raises(ValueError, match="bools, ints or floats"):
-        launcher.remember([torch.zeros(2)], ("x",), 0, spec(), None, [], [1], [1], [1], False)
+        launcher.remember([torch.zeros(2)], ("x",), 0, spec(slots=(0, 1, 2)), None, [], [1], [1], [1], False)
+    with pytest.raises(ValueError, match="a pointer slot per tensor and two for its outputs"):
+        launcher.remember([torch.zeros(2), None], (0,), 0, spec(slots=(0, 1, 2, 3)), None, [], [1, 1], [1], [1], False)
+    partials = [torch.zeros(2), torch.zeros(2)]
+    with pytest.raises(ValueError, match="the merge launch takes four pointers"):
+        launcher.remember([torch.zeros(2)], (0,), 0, spec(slots=(0, 1, 2)), spec(slots=(0, 1, 2)), partials, [1], [1],
+                          [1], False)
     assert launcher.size() == 0, "a failed registration registers nothing"
 
 
