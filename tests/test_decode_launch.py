@@ -170,3 +170,18 @@ def test_contiguous_staging_where_a_slice_takes_several_loads(head_dim, k_bits, 
              for bits, share in ((k_bits, 32), (v_bits, 64))]
     assert (max(loads) > 1) == staged
     assert dl.contiguous_staging_pays(head_dim, k_bits, v_bits) == staged
+
+
+def test_prepared_call_reuse_needs_the_aligned_addresses():
+    """A prepared call's reuse takes the addresses of the present tensors in order, and none at all when one lacks
+    the byte alignment its build assumed."""
+    import torch
+
+    found = dl.PreparedCall(launch=None, alignment=(1, 16, 1, 4))
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    aligned = buffer[(-buffer.data_ptr()) % 16 :]  # start 16-byte aligned
+    query, norms = torch.zeros(3), torch.zeros(5)
+    assert found.aligned_pointers((query, aligned, None, norms)) == (query.data_ptr(), aligned.data_ptr(),
+                                                                     norms.data_ptr())
+    assert found.aligned_pointers((query, aligned[4:], None, norms)) is None
+    assert found.aligned_pointers((query, aligned, None, norms.view(torch.uint8)[1:])) is None

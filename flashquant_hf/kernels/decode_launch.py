@@ -562,6 +562,18 @@ class PreparedCall:
     alignment: tuple[int, ...]  # per tensor of the call, in the order of the decode's pointer arguments (bytes)
     compiled: bool = False
 
+    def aligned_pointers(self, tensors: tuple) -> tuple[int, ...] | None:
+        """The addresses of ``tensors`` (in the order of :attr:`alignment`; None ones left out) for the launch, or
+        None when one lacks the alignment the build assumed (the wrapper then checks and prepares the call)."""
+        pointers = []
+        for t, alignment in zip(tensors, self.alignment):
+            if t is not None:
+                address = t.data_ptr()
+                if address % alignment:
+                    return None
+                pointers.append(address)
+        return tuple(pointers)
+
 
 _PREPARED: dict[tuple, PreparedCall] = {}
 

@@ -76,16 +76,14 @@ def paged_decode(
             return result
         signature = call_signature("paged_decode", tensors, k_bits, v_bits, scale, block_size, max_seq_len)
     prepared = prepared_call(signature)
-    if prepared is not None:
-        address = blocks.data_ptr()
-        if not address % prepared.alignment[1]:
-            num_seqs, q_heads, head_dim = q_rot.shape
-            out = torch.empty(num_seqs, q_heads, head_dim, dtype=torch.float32, device=q_rot.device)
-            lse = torch.empty(num_seqs, q_heads, dtype=torch.float32, device=q_rot.device)
-            prepared.launch((q_rot.data_ptr(), address, block_table.data_ptr(), seq_lens.data_ptr(),
-                             k_centroids.data_ptr(), v_centroids.data_ptr()), out.data_ptr(), lse.data_ptr())
-            remember_compiled(prepared, tensors, values, out, lse)
-            return out, lse
+    pointers = None if prepared is None else prepared.aligned_pointers(tensors)
+    if pointers is not None:
+        num_seqs, q_heads, head_dim = q_rot.shape
+        out = torch.empty(num_seqs, q_heads, head_dim, dtype=torch.float32, device=q_rot.device)
+        lse = torch.empty(num_seqs, q_heads, dtype=torch.float32, device=q_rot.device)
+        prepared.launch(pointers, out.data_ptr(), lse.data_ptr())
+        remember_compiled(prepared, tensors, values, out, lse)
+        return out, lse
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     layout = _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size, k_bits, v_bits)
     num_seqs, q_heads, head_dim = q_rot.shape

@@ -84,18 +84,12 @@ def tq_decode(
         return result
     signature = call_signature("tq_decode", tensors, k_bits, v_bits, scale)
     prepared = prepared_call(signature)
-    if prepared is not None:
-        runs = (k_packed.data_ptr(), k_norms.data_ptr(), v_packed.data_ptr(), v_norms.data_ptr())
-        align = prepared.alignment  # the runs are tensors 1 to 4
-        if not (runs[0] % align[1] or runs[1] % align[2] or runs[2] % align[3] or runs[3] % align[4]):
-            out, lse = decode_outputs(q_rot)
-            inputs = (q_rot.data_ptr(), *runs)
-            if key_bias is not None:
-                inputs += (key_bias.data_ptr(),)
-            prepared.launch((*inputs, k_centroids.data_ptr(), v_centroids.data_ptr()), out.data_ptr(),
-                            lse.data_ptr())
-            remember_compiled(prepared, tensors, values, out, lse)
-            return out, lse
+    pointers = None if prepared is None else prepared.aligned_pointers(tensors)
+    if pointers is not None:
+        out, lse = decode_outputs(q_rot)
+        prepared.launch(pointers, out.data_ptr(), lse.data_ptr())
+        remember_compiled(prepared, tensors, values, out, lse)
+        return out, lse
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
     batch, q_heads, _, head_dim = q_rot.shape
