@@ -274,7 +274,7 @@ def run(record) -> None:
 
     dev = torch.device("cuda")
     began = time.perf_counter()  # the steady state: the compiled launcher built (or found in the build cache)
-    record("decode_launcher_built", float(decode_launcher.wait() is not None), "flag", "1")
+    record("decode_launcher_built", float(decode_launcher.wait(300) is not None), "flag", "1")
     record("decode_launcher_build_s", time.perf_counter() - began, "s")
     _widths(record, copy_bandwidth_gbs(), dev)
     _tq4(record, dl, dev)

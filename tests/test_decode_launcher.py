@@ -2,6 +2,11 @@
 registered calls on everything a call's validity depends on: each tensor's rank, sizes, strides, dtype and device
 (None apart), and the other arguments with their types. GPU behaviour: tests/gpu/test_decode_launcher.py."""
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -10,7 +15,7 @@ from flashquant_hf.kernels import decode_launcher
 
 @pytest.fixture(scope="module")
 def launcher():
-    module = decode_launcher.wait()
+    module = decode_launcher.wait(300)
     assert module is not None, "the compiled decode launcher did not build (C++ compiler and ninja are required)"
     return module
 
@@ -80,3 +85,27 @@ def test_disabled_launcher_serves_nothing(launcher, monkeypatch):
     monkeypatch.setattr(decode_launcher, "ENABLED", True)
     monkeypatch.setattr(dl, "FAST_LAUNCH", False)
     assert dl.compiled_launcher() is None
+
+
+def test_a_program_ending_mid_build_leaves_a_launcher_for_the_next(tmp_path):
+    """A process that starts the build and ends seconds later (before the compiler does) neither stops the build
+    nor leaves its lock: the next process loads the launcher."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    start = ("import time; from flashquant_hf.kernels import decode_launcher as d; d.start_build(); time.sleep(1); "
+             "assert d.module() is None, 'built within a second: the test needs a longer build'")
+    subprocess.run([sys.executable, "-c", start], env=env, check=True, timeout=120)
+    load = "from flashquant_hf.kernels import decode_launcher as d; print(d.wait(300) is not None)"
+    loaded = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=400)
+    assert loaded.stdout.strip() == "True", loaded.stderr
+    (directory,) = tmp_path.iterdir()
+    assert not (directory / "lock").exists()
+
+
+def test_only_a_stale_build_lock_is_removed(tmp_path):
+    lock = tmp_path / "lock"
+    assert not decode_launcher.remove_stale_lock(tmp_path), "no lock"
+    lock.touch()
+    assert not decode_launcher.remove_stale_lock(tmp_path) and lock.exists(), "a build under way keeps its lock"
+    old = time.time() - decode_launcher.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert decode_launcher.remove_stale_lock(tmp_path) and not lock.exists()

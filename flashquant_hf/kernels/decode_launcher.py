@@ -3,16 +3,26 @@
 A decode call whose signature (tensor shapes, strides, dtypes, devices and the other arguments) was seen before needs
 only its pointers written and its kernels launched. In Python the signature, its lookup, the two output allocations
 and the two launches cost more host time than the GPU spends on a short decode; the compiled launcher does the same
-work in one C++ call. It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; no CUDA toolkit) in
-a background thread the first time a decode call is prepared, and every call prepared from then on is registered
-with it. Until it is built, or where it cannot be built (said once in the log), the Python launcher
+work in one C++ call. It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; no CUDA toolkit) the
+first time a decode call is prepared, and every call prepared from then on is registered with it. Until it is built,
+or where it cannot be built (said once in the log), the Python launcher
 (:class:`~flashquant_hf.kernels.decode_launch.PreparedDecode`) serves.
+
+The compiler runs in a process of its own session, watched by a background thread: a program that ends before the
+build does (a short script, a notebook kernel restarted) neither stops it nor leaves the build directory's lock behind,
+which would keep every later process from building. A lock older than :data:`STALE_LOCK_S` (its process was killed
+mid-build) is removed.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +36,9 @@ EXTENSION_NAME = "flashquant_hf_decode_launcher"
 ENABLED = True  # False: the Python launcher serves every call (tests compare both)
 # Wrapper tags leading a call's values, so two wrappers' signatures never meet.
 TQ_DECODE, PAGED_DECODE = 0, 1
+STALE_LOCK_S = 600.0  # a build takes well under this; an older lock was left by a process killed mid-build
+# What the build process runs: torch's loader with the arguments of _load_arguments() (argv[1], JSON).
+_BUILD_SCRIPT = "import json, sys; from torch.utils.cpp_extension import load; load(**json.loads(sys.argv[1]))"
 
 _module: Any = None
 _build_thread: threading.Thread | None = None
@@ -44,13 +57,63 @@ def _source_path() -> Path:
     return path
 
 
+def build_directory() -> Path:
+    """Where the launcher is built: one folder per Python and torch version under torch's extension root
+    (``TORCH_EXTENSIONS_DIR`` where set)."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return Path(root) / f"{EXTENSION_NAME}-{version}"
+
+
+def _load_arguments(directory: Path) -> dict:
+    return {"name": EXTENSION_NAME, "sources": [str(_source_path())], "extra_cflags": ["-O2"],
+            "extra_ldflags": ["-ldl"], "build_directory": str(directory), "verbose": False}
+
+
+def remove_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove the build lock in ``directory`` if it is older than ``max_age_s`` (True when one was removed)."""
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime <= max_age_s:
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    logger.info("flashquant-hf removed a stale build lock of its decode launcher (%s)", lock)
+    return True
+
+
+def _built_from_current_source(directory: Path) -> bool:
+    library = directory / f"{EXTENSION_NAME}.so"
+    return library.exists() and library.stat().st_mtime >= _source_path().stat().st_mtime
+
+
+def _build_in_own_session(directory: Path, arguments: dict) -> None:
+    log = directory / "build.log"
+    with open(log, "w") as output:
+        command = [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(arguments)]
+        built = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    if built.returncode:
+        lines = log.read_text(errors="replace").strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"the build process exited with status {built.returncode}")
+
+
 def _build() -> None:
     global _module
     try:
         from torch.utils.cpp_extension import load
 
-        _module = load(name=EXTENSION_NAME, sources=[str(_source_path())], extra_cflags=["-O2"],
-                       extra_ldflags=["-ldl"], verbose=False)
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        remove_stale_lock(directory)
+        arguments = _load_arguments(directory)
+        if not _built_from_current_source(directory):
+            _build_in_own_session(directory, arguments)
+        _module = load(**arguments)  # built: this only loads it
     except Exception as error:  # no compiler, no ninja, no Python headers: the Python launcher serves
         warn_once(logger, f"flashquant-hf could not build its compiled decode launcher ({type(error).__name__}: "
                           f"{str(error).strip().splitlines()[-1] if str(error).strip() else ''}); decode calls launch "
@@ -58,7 +121,7 @@ def _build() -> None:
 
 
 def start_build() -> None:
-    """Build the launcher in a background thread (once per process)."""
+    """Build the launcher (a build process watched by a background thread, once per process)."""
     global _build_thread
     if not ENABLED or _build_thread is not None:  # the common case, without the lock (prepared calls ask each time)
         return

@@ -21,7 +21,7 @@ def compiled(monkeypatch):
     from flashquant_hf.kernels import decode_launcher
 
     monkeypatch.setattr(decode_launcher, "ENABLED", True)
-    assert decode_launcher.wait() is not None, "the compiled decode launcher did not build"
+    assert decode_launcher.wait(300) is not None, "the compiled decode launcher did not build"
     dl.clear_caches()
     yield decode_launcher
     dl.clear_caches()
