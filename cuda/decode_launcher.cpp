@@ -243,13 +243,14 @@ void remember(const std::vector<std::optional<at::Tensor>>& tensors, const py::t
   call->lse_shape = lse_shape;
   call->programmatic = programmatic;
   call->decode.emplace(decode);
-  if (call->decode->slots.size() != present + 2) {  // run() writes them without a check
-    throw std::invalid_argument("the decode launch needs a pointer slot per tensor and two for its outputs");
+  // run() writes the slots unchecked: a mismatch is a wrapper bug (RuntimeError), not a value it cannot key on
+  if (call->decode->slots.size() != present + 2) {
+    throw std::logic_error("the decode launch needs a pointer slot per tensor and two for its outputs");
   }
   if (!merge.is_none()) {
     if (partials.size() != 2) throw std::invalid_argument("a merged call names its two partial buffers");
     call->merge.emplace(merge.cast<py::tuple>());
-    if (call->merge->slots.size() != 4) throw std::invalid_argument("the merge launch takes four pointers");
+    if (call->merge->slots.size() != 4) throw std::logic_error("the merge launch takes four pointers");
     call->workspace = partials;
     call->partials[0] = reinterpret_cast<uintptr_t>(partials[0].data_ptr());
     call->partials[1] = reinterpret_cast<uintptr_t>(partials[1].data_ptr());

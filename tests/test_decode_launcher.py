@@ -67,10 +67,10 @@ def test_unregistered_calls_and_malformed_registrations(launcher):
         launcher.remember([torch.zeros(2)], (0,), 0, spec(slots=(0, 9)), None, [], [1], [1], [1], False)
     with pytest.raises(ValueError, match="bools, ints or floats"):
         launcher.remember([torch.zeros(2)], ("x",), 0, spec(slots=(0, 1, 2)), None, [], [1], [1], [1], False)
-    with pytest.raises(ValueError, match="a pointer slot per tensor and two for its outputs"):
+    with pytest.raises(RuntimeError, match="a pointer slot per tensor and two for its outputs"):
         launcher.remember([torch.zeros(2), None], (0,), 0, spec(slots=(0, 1, 2, 3)), None, [], [1, 1], [1], [1], False)
     partials = [torch.zeros(2), torch.zeros(2)]
-    with pytest.raises(ValueError, match="the merge launch takes four pointers"):
+    with pytest.raises(RuntimeError, match="the merge launch takes four pointers"):
         launcher.remember([torch.zeros(2)], (0,), 0, spec(slots=(0, 1, 2)), spec(slots=(0, 1, 2)), partials, [1], [1],
                           [1], False)
     assert launcher.size() == 0, "a failed registration registers nothing"
@@ -109,3 +109,14 @@ def test_only_a_stale_build_lock_is_removed(tmp_path):
     old = time.time() - decode_launcher.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
     assert decode_launcher.remove_stale_lock(tmp_path) and not lock.exists()
+
+
+def test_a_failed_build_is_logged_with_its_log_and_leaves_the_python_launcher(tmp_path):
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "false"}  # a compiler that always fails
+    load = "from flashquant_hf.kernels import decode_launcher as d; print(d.wait(300) is None)"
+    loaded = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=400)
+    assert loaded.stdout.strip() == "True", loaded.stderr
+    assert "could not build its compiled decode launcher" in loaded.stderr
+    (log,) = tmp_path.glob("*/build-*.log")
+    assert str(log) in loaded.stderr and log.read_text().strip(), "the warning names the build's own log"
+    assert not list(tmp_path.glob("*/*.so"))

@@ -566,7 +566,7 @@ class PreparedCall:
         """The addresses of ``tensors`` (in the order of :attr:`alignment`; None ones left out) for the launch, or
         None when one lacks the alignment the build assumed (the wrapper then checks and prepares the call)."""
         pointers = []
-        for t, alignment in zip(tensors, self.alignment):
+        for t, alignment in zip(tensors, self.alignment, strict=True):
             if t is not None:
                 address = t.data_ptr()
                 if address % alignment:

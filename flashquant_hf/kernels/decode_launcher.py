@@ -16,6 +16,8 @@ mid-build) is removed.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -37,8 +39,10 @@ ENABLED = True  # False: the Python launcher serves every call (tests compare bo
 # Wrapper tags leading a call's values, so two wrappers' signatures never meet.
 TQ_DECODE, PAGED_DECODE = 0, 1
 STALE_LOCK_S = 600.0  # a build takes well under this; an older lock was left by a process killed mid-build
-# What the build process runs: torch's loader with the arguments of _load_arguments() (argv[1], JSON).
-_BUILD_SCRIPT = "import json, sys; from torch.utils.cpp_extension import load; load(**json.loads(sys.argv[1]))"
+# What the build process runs: torch's loader with the arguments of _load_arguments() (argv[1], JSON), ending itself
+# after STALE_LOCK_S (argv[2]) rather than waiting forever on a lock whose holder was killed.
+_BUILD_SCRIPT = ("import json, signal, sys; signal.alarm(int(sys.argv[2])); "
+                 "from torch.utils.cpp_extension import load; load(**json.loads(sys.argv[1]))")
 
 _module: Any = None
 _build_thread: threading.Thread | None = None
@@ -58,19 +62,18 @@ def _source_path() -> Path:
 
 
 def build_directory() -> Path:
-    """Where the launcher is built: one folder per Python and torch version under torch's extension root
-    (``TORCH_EXTENSIONS_DIR`` where set)."""
+    """Where the launcher is built: under torch's extension root (``TORCH_EXTENSIONS_DIR`` where set), one folder per
+    source, build arguments, Python and torch version, so a library found there is current."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
-    return Path(root) / f"{EXTENSION_NAME}-{version}"
+    key = hashlib.sha256(_source_path().read_bytes())
+    key.update(json.dumps([_LOAD_OPTIONS, sys.version, torch.__version__]).encode())
+    return Path(root) / f"{EXTENSION_NAME}-{key.hexdigest()[:16]}"
 
 
-def _load_arguments(directory: Path) -> dict:
-    return {"name": EXTENSION_NAME, "sources": [str(_source_path())], "extra_cflags": ["-O2"],
-            "extra_ldflags": ["-ldl"], "build_directory": str(directory), "verbose": False}
+_LOAD_OPTIONS = {"extra_cflags": ["-O2"], "extra_ldflags": ["-ldl"], "verbose": False}
 
 
 def remove_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
@@ -86,34 +89,37 @@ def remove_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
-def _built_from_current_source(directory: Path) -> bool:
-    library = directory / f"{EXTENSION_NAME}.so"
-    return library.exists() and library.stat().st_mtime >= _source_path().stat().st_mtime
-
-
-def _build_in_own_session(directory: Path, arguments: dict) -> None:
-    log = directory / "build.log"
+def _build_in_own_session(directory: Path) -> None:
+    """Build the launcher into ``directory`` by a process of its own session (it outlives a caller that ends)."""
+    arguments = {"name": EXTENSION_NAME, "sources": [str(_source_path())], "build_directory": str(directory),
+                 **_LOAD_OPTIONS}
+    log = directory / f"build-{os.getpid()}.log"
     with open(log, "w") as output:
-        command = [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(arguments)]
-        built = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+        command = [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(arguments), str(int(STALE_LOCK_S))]
+        built = subprocess.run(command, cwd=directory, stdin=subprocess.DEVNULL, stdout=output,
+                               stderr=subprocess.STDOUT, start_new_session=True)
     if built.returncode:
-        lines = log.read_text(errors="replace").strip().splitlines()
-        raise RuntimeError(lines[-1] if lines else f"the build process exited with status {built.returncode}")
+        raise RuntimeError(f"the build process exited with status {built.returncode}, see {log}")
+    log.unlink()
+
+
+def _import_library(library: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, library)
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+    return launcher
 
 
 def _build() -> None:
     global _module
     try:
-        from torch.utils.cpp_extension import load
-
-        directory = build_directory()
-        directory.mkdir(parents=True, exist_ok=True)
-        remove_stale_lock(directory)
-        arguments = _load_arguments(directory)
-        if not _built_from_current_source(directory):
-            _build_in_own_session(directory, arguments)
-        _module = load(**arguments)  # built: this only loads it
+        directory = build_directory()  # imports torch, whose libraries the launcher links against
+        library = directory / f"{EXTENSION_NAME}.so"
+        if not library.exists() or (directory / "lock").exists():  # a build under way may not have written it all
+            directory.mkdir(parents=True, exist_ok=True)
+            remove_stale_lock(directory)
+            _build_in_own_session(directory)
+        _module = _import_library(library)
     except Exception as error:  # no compiler, no ninja, no Python headers: the Python launcher serves
         warn_once(logger, f"flashquant-hf could not build its compiled decode launcher ({type(error).__name__}: "
                           f"{str(error).strip().splitlines()[-1] if str(error).strip() else ''}); decode calls launch "

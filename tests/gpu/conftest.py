@@ -6,7 +6,7 @@ from .poison import poison as poison_fill
 
 @pytest.fixture
 def poison():
-    """Fill a tensor with a value no kernel writes (NaN for floats, 0xAB for bytes) before a launch."""
+    """Fill a tensor with a value no kernel writes before a launch (see ``poison.poison``)."""
     return poison_fill
 
 

@@ -7,8 +7,10 @@ import torch
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:
-    """Fill ``t`` with NaN (floating point) or 0xAB (bytes)."""
-    return t.fill_(0xAB if t.dtype == torch.uint8 else float("nan"))
+    """Fill ``t`` with NaN (floating point), 0xAB (bytes) or the type's smallest value (other integers)."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(0xAB if t.dtype == torch.uint8 else torch.iinfo(t.dtype).min)
 
 
 @contextlib.contextmanager
