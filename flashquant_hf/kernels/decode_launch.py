@@ -578,6 +578,15 @@ class PreparedCall:
 _PREPARED: dict[tuple, PreparedCall] = {}
 
 
+def decode_outputs(q_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode's outputs for queries ``q_rot`` (``[B, Hq, 1, D]`` contiguous layout, ``[S, Hq, D]`` paged): fp32
+    ``out`` of the queries' shape and ``lse`` without their last dim, contiguous (row per (sequence, head), as the
+    kernels write them)."""
+    out = torch.empty(q_rot.shape, dtype=torch.float32, device=q_rot.device)
+    lse = torch.empty(q_rot.shape[:-1], dtype=torch.float32, device=q_rot.device)
+    return out, lse
+
+
 def compiled_launcher() -> Any:
     """The compiled launcher of prepared calls where it serves (built, and ``FAST_LAUNCH``), else None."""
     return decode_launcher.module() if FAST_LAUNCH else None

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..paged import BLOCK_SIZES, PagedLayout
 from . import decode_launcher
 from .decode_launch import (
-    MODE_PAGED, NULL, call_signature, check_codebooks, check_query, prepared_call, remember_call, remember_compiled,
+    MODE_PAGED, NULL, call_signature, check_codebooks, check_query, decode_outputs, prepared_call, remember_call, remember_compiled,
     run_compiled, run_decode,
 )
 
@@ -78,20 +78,17 @@ def paged_decode(
     prepared = prepared_call(signature)
     pointers = None if prepared is None else prepared.aligned_pointers(tensors)
     if pointers is not None:
-        num_seqs, q_heads, head_dim = q_rot.shape
-        out = torch.empty(num_seqs, q_heads, head_dim, dtype=torch.float32, device=q_rot.device)
-        lse = torch.empty(num_seqs, q_heads, dtype=torch.float32, device=q_rot.device)
+        out, lse = decode_outputs(q_rot)
         prepared.launch(pointers, out.data_ptr(), lse.data_ptr())
         remember_compiled(prepared, tensors, values, out, lse)
         return out, lse
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     layout = _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size, k_bits, v_bits)
-    num_seqs, q_heads, head_dim = q_rot.shape
+    num_seqs, q_heads, _ = q_rot.shape
     kv_heads = layout.num_kv_heads
     group = q_heads // kv_heads
     max_len = int(seq_lens.max()) if max_seq_len is None and num_seqs else int(max_seq_len or 0)
-    out = torch.empty(num_seqs, q_heads, head_dim, dtype=torch.float32, device=q_rot.device)
-    lse = torch.empty(num_seqs, q_heads, dtype=torch.float32, device=q_rot.device)
+    out, lse = decode_outputs(q_rot)
     if max_len <= 0 or num_seqs == 0:
         out.zero_()
         lse.fill_(-math.inf)

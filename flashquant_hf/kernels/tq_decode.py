@@ -16,7 +16,7 @@ from ..packing import packed_size
 from . import checks, decode_launcher
 from .decode_launch import (
     MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, PreparedDecode, call_signature, check_codebooks, check_query,
-    contiguous_runs_staged, contiguous_staging_pays, prepared_call, remember_call, remember_compiled, run_compiled,
+    contiguous_runs_staged, contiguous_staging_pays, decode_outputs, prepared_call, remember_call, remember_compiled, run_compiled,
     run_decode, slice_alignment, TMA_OPTION,
 )
 
@@ -49,15 +49,6 @@ def check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_b
         raise ValueError(f"`q_rot` heads ({q_heads}) must be a multiple of the KV heads ({kv_heads})")
     if key_bias is not None:
         _check_cache_tensor("key_bias", key_bias, torch.float32, (batch, num_keys), dev)
-
-
-def decode_outputs(q_rot: Tensor) -> tuple[Tensor, Tensor]:
-    """The decode's outputs for queries ``q_rot [B, Hq, 1, D]``: fp32 ``out [B, Hq, 1, D]`` and ``lse [B, Hq, 1]``,
-    contiguous (row ``b * Hq + h``, as the kernel writes them)."""
-    batch, q_heads, _, head_dim = q_rot.shape
-    out = torch.empty(batch, q_heads, 1, head_dim, dtype=torch.float32, device=q_rot.device)
-    lse = torch.empty(batch, q_heads, 1, dtype=torch.float32, device=q_rot.device)
-    return out, lse
 
 
 def tq_decode(
