@@ -39,8 +39,9 @@ ENABLED = True  # False: the Python launcher serves every call (tests compare bo
 # Wrapper tags leading a call's values, so two wrappers' signatures never meet.
 TQ_DECODE, PAGED_DECODE = 0, 1
 STALE_LOCK_S = 600.0  # a build takes well under this; an older lock was left by a process killed mid-build
-# What the build process runs: torch's loader with the arguments of _load_arguments() (argv[1], JSON), ending itself
-# after STALE_LOCK_S (argv[2]) rather than waiting forever on a lock whose holder was killed.
+_LOAD_OPTIONS = {"extra_cflags": ["-O2"], "extra_ldflags": ["-ldl"], "verbose": False}
+# What the build process runs: torch's loader with the arguments _build_in_own_session passes (argv[1], JSON), ending
+# itself after STALE_LOCK_S (argv[2]) rather than waiting forever on a lock whose holder was killed.
 _BUILD_SCRIPT = ("import json, signal, sys; signal.alarm(int(sys.argv[2])); "
                  "from torch.utils.cpp_extension import load; load(**json.loads(sys.argv[1]))")
 
@@ -71,9 +72,6 @@ def build_directory() -> Path:
     key = hashlib.sha256(_source_path().read_bytes())
     key.update(json.dumps([_LOAD_OPTIONS, sys.version, torch.__version__]).encode())
     return Path(root) / f"{EXTENSION_NAME}-{key.hexdigest()[:16]}"
-
-
-_LOAD_OPTIONS = {"extra_cflags": ["-O2"], "extra_ldflags": ["-ldl"], "verbose": False}
 
 
 def remove_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
