@@ -637,6 +637,20 @@ def prepared_call(signature: tuple | None) -> PreparedCall | None:
     return None
 
 
+def run_prepared(signature: tuple | None, tensors: tuple, values: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The call prepared under ``signature`` launched on ``tensors`` (the queries first, then in the order of the
+    decode's pointer arguments) and registered with the compiled launcher: (out, lse), or None when there is none or
+    an address lacks the alignment its build assumed (the wrapper then checks and prepares the call)."""
+    prepared = prepared_call(signature)
+    pointers = None if prepared is None else prepared.aligned_pointers(tensors)
+    if pointers is None:
+        return None
+    out, lse = decode_outputs(tensors[0])
+    prepared.launch(pointers, out.data_ptr(), lse.data_ptr())
+    remember_compiled(prepared, tensors, values, out, lse)
+    return out, lse
+
+
 def remember_call(signature: tuple | None, launch: PreparedDecode | None,
                   alignment: tuple[int, ...]) -> PreparedCall | None:
     """Keep a checked call's prepared launch for later calls of the same signature (returned)."""

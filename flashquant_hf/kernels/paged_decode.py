@@ -16,8 +16,8 @@ from torch import Tensor
 from ..paged import BLOCK_SIZES, PagedLayout
 from . import decode_launcher
 from .decode_launch import (
-    MODE_PAGED, NULL, call_signature, check_codebooks, check_query, decode_outputs, prepared_call, remember_call, remember_compiled,
-    run_compiled, run_decode,
+    MODE_PAGED, NULL, call_signature, check_codebooks, check_query, decode_outputs, remember_call, remember_compiled,
+    run_compiled, run_decode, run_prepared,
 )
 
 BLOCKS_ALIGNMENT = (1, 16, 1, 1, 1, 1)  # per tensor of a call: the blocks' bulk copies need 16-byte alignment
@@ -75,13 +75,9 @@ def paged_decode(
         if result is not None:
             return result
         signature = call_signature("paged_decode", tensors, k_bits, v_bits, scale, block_size, max_seq_len)
-    prepared = prepared_call(signature)
-    pointers = None if prepared is None else prepared.aligned_pointers(tensors)
-    if pointers is not None:
-        out, lse = decode_outputs(q_rot)
-        prepared.launch(pointers, out.data_ptr(), lse.data_ptr())
-        remember_compiled(prepared, tensors, values, out, lse)
-        return out, lse
+    result = run_prepared(signature, tensors, values)
+    if result is not None:
+        return result
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     layout = _check_paged_inputs(q_rot, blocks, block_table, seq_lens, block_size, k_bits, v_bits)
     num_seqs, q_heads, _ = q_rot.shape

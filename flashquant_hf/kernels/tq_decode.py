@@ -16,8 +16,8 @@ from ..packing import packed_size
 from . import checks, decode_launcher
 from .decode_launch import (
     MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, PreparedDecode, call_signature, check_codebooks, check_query,
-    contiguous_runs_staged, contiguous_staging_pays, decode_outputs, prepared_call, remember_call, remember_compiled, run_compiled,
-    run_decode, slice_alignment, TMA_OPTION,
+    contiguous_runs_staged, contiguous_staging_pays, decode_outputs, remember_call, remember_compiled, run_compiled,
+    run_decode, run_prepared, slice_alignment, TMA_OPTION,
 )
 
 
@@ -74,13 +74,9 @@ def tq_decode(
     if result is not None:
         return result
     signature = call_signature("tq_decode", tensors, k_bits, v_bits, scale)
-    prepared = prepared_call(signature)
-    pointers = None if prepared is None else prepared.aligned_pointers(tensors)
-    if pointers is not None:
-        out, lse = decode_outputs(q_rot)
-        prepared.launch(pointers, out.data_ptr(), lse.data_ptr())
-        remember_compiled(prepared, tensors, values, out, lse)
-        return out, lse
+    result = run_prepared(signature, tensors, values)
+    if result is not None:
+        return result
     check_codebooks(k_centroids, v_centroids, k_bits, v_bits, q_rot.device)
     check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias)
     batch, q_heads, _, head_dim = q_rot.shape
