@@ -49,7 +49,7 @@ def python_prepared_path_raises(monkeypatch, module):
     def refuse(*args, **kwargs):
         raise AssertionError("the Python launcher served a call the compiled launcher had registered")
 
-    monkeypatch.setattr(module, "prepared_call", refuse)
+    monkeypatch.setattr(module, "run_prepared", refuse)
 
 
 @pytest.mark.parametrize("bits", [(4, 4), (3, 3), (3, 2), (2, 2)])
