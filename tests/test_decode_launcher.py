@@ -109,6 +109,27 @@ def test_only_a_stale_build_lock_is_removed(tmp_path):
     old = time.time() - decode_launcher.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
     assert decode_launcher.remove_stale_lock(tmp_path) and not lock.exists()
+    assert [f.name for f in tmp_path.iterdir()] == []
+
+
+def test_a_fresh_lock_that_replaced_a_stale_one_is_kept(tmp_path, monkeypatch):
+    """Another process removes the stale lock and takes a fresh one between this process's age check and its
+    removal: the fresh lock stays, with its content."""
+    lock = tmp_path / "lock"
+    lock.write_text("stale")
+    old = time.time() - decode_launcher.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    rename = os.rename
+
+    def replaced_first(source, target):
+        lock.unlink()
+        lock.write_text("fresh")
+        rename(source, target)
+
+    monkeypatch.setattr(decode_launcher.os, "rename", replaced_first)
+    assert not decode_launcher.remove_stale_lock(tmp_path)
+    assert lock.read_text() == "fresh"
+    assert [f.name for f in tmp_path.iterdir()] == ["lock"]
 
 
 def test_a_failed_build_is_logged_with_its_log_and_leaves_the_python_launcher(tmp_path):

@@ -75,16 +75,29 @@ def build_directory() -> Path:
 
 
 def remove_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove the build lock in ``directory`` if it is older than ``max_age_s`` (True when one was removed)."""
+    """Remove the build lock in ``directory`` if it is older than ``max_age_s`` (True when one was removed).
+
+    The lock is first renamed to a name of this thread's own (of processes that found it stale, one gets it), then
+    removed only if what was renamed is still stale: a fresh lock that replaced it in between is put back.
+    """
     lock = directory / "lock"
+    claimed = directory / f"lock.stale-{os.getpid()}-{threading.get_ident()}"
     try:
         if time.time() - lock.stat().st_mtime <= max_age_s:
             return False
-        lock.unlink()
+        os.rename(lock, claimed)
     except FileNotFoundError:
         return False
-    logger.info("flashquant-hf removed a stale build lock of its decode launcher (%s)", lock)
-    return True
+    stale = time.time() - claimed.stat().st_mtime > max_age_s
+    if not stale:
+        try:
+            os.link(claimed, lock)
+        except FileExistsError:  # a third process holds a lock of its own by now
+            pass
+    claimed.unlink()
+    if stale:
+        logger.info("flashquant-hf removed a stale build lock of its decode launcher (%s)", lock)
+    return stale
 
 
 def _build_in_own_session(directory: Path) -> None:
