@@ -16,6 +16,7 @@ mid-build) is removed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -82,22 +83,24 @@ def remove_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     """
     lock = directory / "lock"
     claimed = directory / f"lock.stale-{os.getpid()}-{threading.get_ident()}"
+
+    def stale(path: Path) -> bool:
+        return time.time() - path.stat().st_mtime > max_age_s
+
     try:
-        if time.time() - lock.stat().st_mtime <= max_age_s:
+        if not stale(lock):
             return False
         os.rename(lock, claimed)
     except FileNotFoundError:
         return False
-    stale = time.time() - claimed.stat().st_mtime > max_age_s
-    if not stale:
-        try:
+    removed = stale(claimed)
+    if not removed:
+        with contextlib.suppress(FileExistsError):  # a third process holds a lock of its own by now
             os.link(claimed, lock)
-        except FileExistsError:  # a third process holds a lock of its own by now
-            pass
     claimed.unlink()
-    if stale:
+    if removed:
         logger.info("flashquant-hf removed a stale build lock of its decode launcher (%s)", lock)
-    return stale
+    return removed
 
 
 def _build_in_own_session(directory: Path) -> None:
