@@ -7,6 +7,7 @@ import pytest
 import torch
 from tolerance import assert_attention_within_dtype_error
 
+from flashquant_hf import store_layout
 from flashquant_hf.packing import packed_size
 from flashquant_hf.reference.tq_attention import tq_attention as reference_attention
 
@@ -429,7 +430,35 @@ def test_tq_decode_staged_and_register_tiles(bits, head_dim, group, monkeypatch,
             (setup,) = dl._LAUNCHES.values()
             staged = dl.TMA_OPTION in setup.options
             aligned = (num_keys + extra + (-num_keys) % 4) % 4 == 0
-            pays = dl.contiguous_staging_pays(head_dim, *bits)
+            pays = store_layout.contiguous_staging_pays(head_dim, *bits)
             assert staged == (tma and staged_available and aligned and pays), setup
             check(result, q, cache, c_k, c_v, bits=bits)
     dl.clear_caches()
+
+
+def inline_norms(codes, norms, capacity_extra):
+    """The same codes and norms in one uint8 buffer of rows ``codes | fp32 norm`` whose capacity (poisoned rows beyond
+    N) is a multiple of 16 rows, so every (sequence, head) run starts 16-byte aligned."""
+    row, capacity = codes.shape[3], -(-(codes.shape[2] + capacity_extra) // 16) * 16
+    buf = torch.full((*codes.shape[:2], capacity, row + 4), 0xFF, dtype=torch.uint8, device=DEV)[:, :, : codes.shape[2]]
+    buf[..., :row] = codes
+    buf[..., row:] = norms.contiguous().unsqueeze(-1).view(torch.uint8)
+    return buf[..., :row], buf[..., row:].view(torch.float32).squeeze(-1)
+
+
+@pytest.mark.parametrize("bits", [(3, 3), (3, 2)])
+@pytest.mark.parametrize("num_keys,group", [(1, 4), (97, 8), (1111, 4), (4133, 1)])
+def test_tq_decode_norms_inline(bits, num_keys, group, cuda_gen):
+    """Norms stored after their code rows (two runs per staged tile on sm_90): the reference's result, and the build
+    that stages them is the one chosen where tiles are staged."""
+    import flashquant_hf.kernels.decode_launch as dl
+
+    k, kn, v, vn = random_cache(2, 2, num_keys, 128, seed=300 + num_keys, k_bits=bits[0], v_bits=bits[1])
+    cache = (*inline_norms(k, kn, 19), *inline_norms(v, vn, 19))
+    assert dl.contiguous_runs_inline(*cache)
+    q = torch.randn(2, 2 * group, 1, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
+    check_widths(q, cache, *bits)
+    staged = [launch.options for launch in dl._LAUNCHES.values() if dl.TMA_OPTION in launch.options]
+    assert all(dl.INLINE_NORMS_OPTION in options for options in staged)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert staged, "sm_90 stages the inline layout's tiles"
