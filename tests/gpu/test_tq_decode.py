@@ -436,29 +436,60 @@ def test_tq_decode_staged_and_register_tiles(bits, head_dim, group, monkeypatch,
     dl.clear_caches()
 
 
-def inline_norms(codes, norms, capacity_extra):
-    """The same codes and norms in one uint8 buffer of rows ``codes | fp32 norm`` whose capacity (poisoned rows beyond
-    N) is a multiple of 16 rows, so every (sequence, head) run starts 16-byte aligned."""
-    row, capacity = codes.shape[3], -(-(codes.shape[2] + capacity_extra) // 16) * 16
-    buf = torch.full((*codes.shape[:2], capacity, row + 4), 0xFF, dtype=torch.uint8, device=DEV)[:, :, : codes.shape[2]]
-    buf[..., :row] = codes
-    buf[..., row:] = norms.contiguous().unsqueeze(-1).view(torch.uint8)
-    return buf[..., :row], buf[..., row:].view(torch.float32).squeeze(-1)
+def stored_as(head_dim, k_bits, v_bits, cache, capacity_extra):
+    """The same codes and norms laid out as the contiguous store keeps them (store_layout.inline_norms): a side with
+    inline norms as views of one uint8 buffer of rows ``codes | fp32 norm`` whose capacity (poisoned rows beyond N)
+    is a multiple of 16 rows, so every (sequence, head) run starts 16-byte aligned."""
+    sides = []
+    for inline, (codes, norms) in zip(store_layout.inline_norms(head_dim, k_bits, v_bits), (cache[:2], cache[2:])):
+        if not inline:
+            sides += [codes, norms]
+            continue
+        capacity = -(-(codes.shape[2] + capacity_extra) // 16) * 16
+        rows = torch.full((*codes.shape[:2], capacity, codes.shape[3] + 4), 0xFF, dtype=torch.uint8, device=DEV)
+        rows = rows[:, :, : codes.shape[2]]
+        rows.copy_(store_layout.joined_rows(codes, norms.contiguous()))
+        sides += store_layout.split_rows(rows)
+    return tuple(sides)
 
 
-@pytest.mark.parametrize("bits", [(3, 3), (3, 2)])
+@pytest.mark.parametrize("head_dim, bits", [(128, (3, 3)), (128, (3, 2)), (128, (4, 3)), (128, (3, 4)),
+                                            (128, (2, 3)), (64, (3, 3)), (64, (4, 3))])
 @pytest.mark.parametrize("num_keys,group", [(1, 4), (97, 8), (1111, 4), (4133, 1)])
-def test_tq_decode_norms_inline(bits, num_keys, group, cuda_gen):
-    """Norms stored after their code rows (two runs per staged tile on sm_90): the reference's result, and the build
-    that stages them is the one chosen where tiles are staged."""
+def test_tq_decode_norms_inline(head_dim, bits, num_keys, group, cuda_gen):
+    """The store's layout with norms after their code rows (one run per such side in a staged tile on sm_90): the
+    reference's result, staged by the build that reads that layout where tiles are staged."""
     import flashquant_hf.kernels.decode_launch as dl
 
-    k, kn, v, vn = random_cache(2, 2, num_keys, 128, seed=300 + num_keys, k_bits=bits[0], v_bits=bits[1])
-    cache = (*inline_norms(k, kn, 19), *inline_norms(v, vn, 19))
-    assert dl.contiguous_runs_inline(*cache)
-    q = torch.randn(2, 2 * group, 1, 128, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
+    sides = store_layout.inline_norms(head_dim, *bits)
+    assert any(sides)
+    separate = random_cache(2, 2, num_keys, head_dim, seed=300 + num_keys, k_bits=bits[0], v_bits=bits[1])
+    cache = stored_as(head_dim, *bits, separate, 19)
+    assert dl.contiguous_runs(*cache) == sides
+    q = torch.randn(2, 2 * group, 1, head_dim, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
     check_widths(q, cache, *bits)
     staged = [launch.options for launch in dl._LAUNCHES.values() if dl.TMA_OPTION in launch.options]
     assert all(dl.INLINE_NORMS_OPTION in options for options in staged)
-    if torch.cuda.get_device_capability()[0] == 9:
+    if torch.cuda.get_device_capability()[0] == 9 and num_keys >= 16:
         assert staged, "sm_90 stages the inline layout's tiles"
+
+
+def test_prepared_inline_call_does_not_serve_other_norms(cuda_gen):
+    """A call prepared for norms that follow their rows is not reused for a call of the same shapes and strides whose
+    norms live elsewhere: the staged build would read the rows' bytes as norms."""
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    head_dim, bits, num_keys = 128, (3, 3), 2048
+    ck, cv = centroids(head_dim, 3), centroids(head_dim, 3)
+    separate = random_cache(2, 2, num_keys, head_dim, seed=7, k_bits=3, v_bits=3)
+    inline = stored_as(head_dim, *bits, separate, 0)
+    q = torch.randn(2, 8, 1, head_dim, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
+    for _ in range(2):  # prepared, then served by the prepared call
+        check(tq_decode(q, *inline, ck, cv, *bits, head_dim**-0.5), q, inline, ck, cv, bits)
+    other_norms = []
+    for norms in (inline[1], inline[3]):  # the same strides, other values, not after the rows
+        buffer = torch.rand(*norms.shape[:2], norms.shape[2] * norms.stride(2), device=DEV, generator=cuda_gen) + 0.5
+        other_norms.append(buffer[:, :, :: norms.stride(2)])
+        assert other_norms[-1].stride() == norms.stride()
+    mixed = (inline[0], other_norms[0], inline[2], other_norms[1])
+    check(tq_decode(q, *mixed, ck, cv, *bits, head_dim**-0.5), q, mixed, ck, cv, bits)
