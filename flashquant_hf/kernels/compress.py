@@ -342,7 +342,7 @@ def launch_compress(
     assert layout is not None
     sizes, (strides,) = layout
     rows = math.prod(x.shape[:-1])
-    if start is None:  # one run of `rows` contiguous rows from row 0
+    if start is None:  # one run of `rows` consecutive rows from row 0
         out_start, max_start, run, run_stride = np.uint64(0), 0, rows, rows
     else:  # runs of n rows (one per leading index), N slots apart, from row `start`
         slots = packed.shape[-2]
