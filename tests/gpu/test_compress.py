@@ -474,7 +474,7 @@ def test_compress_into_through_ops_and_the_custom_op(poison):
 BAD_STORES = [
     (lambda p, m: dict(packed=p.transpose(0, 1)), r"`packed` must have one uniform stride .* \(1920, 7680, 64, 1\)"),
     (lambda p, m: dict(norms=m.transpose(0, 1)), r"`norms` must have one uniform stride .* \(30, 120, 1\)"),
-    (lambda p, m: dict(packed=_inline_store((4, 4), 30, 66, 0xFF)[1][..., :64]),
+    (lambda p, m: dict(packed=torch.zeros((4, 4, 30, 70), dtype=torch.uint8, device="cuda")[..., :64]),
      r"`packed` rows must start at 4-byte aligned addresses \(row pitch 70 bytes"),
     (lambda p, m: dict(packed=p[:, :, :20], norms=m[:, :, :20]), r"`packed` must have one uniform stride"),
     (lambda p, m: dict(packed=p[..., :63]), r"`packed` must be uint8 of shape \[4, 4, N, 64\]"),

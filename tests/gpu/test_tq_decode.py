@@ -463,7 +463,8 @@ def test_tq_decode_norms_inline(head_dim, bits, num_keys, group, cuda_gen):
 
     sides = store_layout.inline_norms(head_dim, *bits)
     assert any(sides)
-    separate = random_cache(2, 2, num_keys, head_dim, seed=300 + num_keys, k_bits=bits[0], v_bits=bits[1])
+    aligned = 16 - num_keys % 16  # a capacity of whole tiles: every (sequence, head) run of a side 16-byte aligned
+    separate = random_cache(2, 2, num_keys, head_dim, aligned, seed=300 + num_keys, k_bits=bits[0], v_bits=bits[1])
     cache = stored_as(head_dim, *bits, separate, 19)
     assert dl.contiguous_runs(*cache) == sides
     q = torch.randn(2, 2 * group, 1, head_dim, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
