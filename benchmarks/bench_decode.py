@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.timing import copies_to_exceed_l2, copy_bandwidth_gbs, event_ms, time_ms
+from flashquant_hf import store_layout
+from flashquant_hf.layer import STORE_BLOCK
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 CALLS = 8
@@ -76,18 +78,19 @@ def _paged_set(batch, keys, block_size, dev, seed, k_bits=4, v_bits=4):
 
 
 def _contiguous_set(batch, keys, dev, seed, k_bits=4, v_bits=4):
+    """Random codes and norms laid out as the cache stores them (norms after their code rows where
+    store_layout.inline_norms says): views [:, :, :keys] of a larger capacity buffer of whole store blocks."""
     g = torch.Generator(device=dev).manual_seed(seed)
-    cap = keys + 1000  # views of a larger capacity buffer, as in the HF cache
-
-    def idx(bits):
-        return torch.randint(0, 256, (batch, KV_HEADS, cap, HEAD_DIM * bits // 8), dtype=torch.uint8, device=dev,
-                             generator=g)[:, :, :keys]
-
-    def norms():
-        return (torch.rand(batch, KV_HEADS, cap, device=dev, generator=g) * 3 + 0.5)[:, :, :keys]
-
-    return idx(k_bits), norms(), idx(v_bits), norms()
-
+    cap = -(-(keys + 1000) // STORE_BLOCK) * STORE_BLOCK
+    sides = []
+    for bits, inline in zip((k_bits, v_bits), store_layout.inline_norms(HEAD_DIM, k_bits, v_bits)):
+        codes = torch.randint(0, 256, (batch, KV_HEADS, cap, HEAD_DIM * bits // 8), dtype=torch.uint8, device=dev,
+                              generator=g)
+        norms = torch.rand(batch, KV_HEADS, cap, device=dev, generator=g) * 3 + 0.5
+        if inline:
+            codes, norms = store_layout.split_rows(store_layout.joined_rows(codes, norms))
+        sides += [codes[:, :, :keys], norms[:, :, :keys]]
+    return tuple(sides)
 
 
 def _contiguous_query_sets(batch: int, keys: int, dev) -> list[tuple]:

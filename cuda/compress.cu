@@ -12,7 +12,10 @@
 // Input rows are addressed through collapsed leading dimensions [n0, n1, n2] with element strides; the last
 // dimension is contiguous and every row starts 16-byte aligned (the wrapper guarantees it). Output rows are
 // runs of consecutive rows a fixed number of rows apart (OutRows), from a first row read from device memory
-// (`out_start`, null for 0): a launch writes a block of rows of every head straight into a larger store.
+// (`out_start`, null for 0): a launch writes a block of rows of every head straight into a larger store. The
+// store's rows lie a run-time pitch apart (`packed_pitch` bytes, `norm_pitch` floats): a contiguous output, or rows
+// that hold their codes and fp32 norm side by side (pitch PACKED + 4 bytes). The wrapper guarantees a packed pitch
+// and base that are multiples of 4 bytes, so the 2- and 4-byte chunk stores stay aligned.
 //
 // Build switches: none (the wrapper, kernels/compress.py, compiles every instantiation without options).
 #include "utils.cuh"
@@ -284,16 +287,23 @@ struct Bucketizer<4> {
 // Shared pieces
 // -------------------------------------------------------------------------------------------------
 
-// Where input row r's outputs go, counted in rows from the launch's first output row: packed + row(r) * PACKED,
-// norms + row(r). The rows form runs of `run.d` consecutive rows (the tokens of one head), `run_stride` rows apart
-// (the store's capacity per head); a contiguous output is one run. One multiply-high division per row.
+// Where input row r's outputs go, counted in rows from the launch's first output row: packed + row(r) *
+// packed_pitch, norms + row(r) * norm_pitch. The rows form runs of `run.d` consecutive rows (the tokens of one head),
+// `run_stride` rows apart (the store's capacity per head); a contiguous output is one run. One multiply-high
+// division per row, and one multiply per output pointer.
 struct OutRows {
     fq::FastDiv run;
     long long run_stride;
+    long long packed_pitch;  // bytes between consecutive store rows
+    long long norm_pitch;    // floats between consecutive norms
     __device__ __forceinline__ long long row(unsigned r) const {
         const unsigned k = run.div(r);
         return static_cast<long long>(k) * run_stride + (r - k * run.d);
     }
+    __device__ __forceinline__ unsigned char* packed_row(unsigned char* packed, long long orow) const {
+        return packed + orow * packed_pitch;
+    }
+    __device__ __forceinline__ float* norm_at(float* norms, long long orow) const { return norms + orow * norm_pitch; }
 };
 
 // The first output row, read from device memory (null: 0), and whether the launch writes: a start outside
@@ -412,7 +422,7 @@ __device__ __forceinline__ void compress_hadamard_rows(
         const float scale = 1.f / (fmaxf(n, FLOAT_TINY) * S::SQRT_D);
         float csq = 0.f;
         const long long orow = out_rows.row(r);
-        unsigned char* out = packed + orow * S::PACKED;
+        unsigned char* out = out_rows.packed_row(packed, orow);
 #pragma unroll
         for (int v = 0; v < S::V; ++v) {
             unsigned stream = 0;
@@ -425,7 +435,7 @@ __device__ __forceinline__ void compress_hadamard_rows(
             if (valid) fq::store_chunk<BITS>(out + (v * S::LANES + t) * BITS, stream);
         }
         if constexpr (NC) csq = fq::group_sum<S::LANES>(csq);
-        if (valid && t == 0) norms[orow] = stored_norm(n, csq, NC);
+        if (valid && t == 0) *out_rows.norm_at(norms, orow) = stored_norm(n, csq, NC);
 
         if (!has_next) break;
         cur = nxt;
@@ -627,13 +637,13 @@ __device__ __forceinline__ void compress_mma_subtile(const uint4 (&raw)[D / 32],
     }
     const bool valid = r < rows;
     const long long orow = out_rows.row(r);
-    unsigned char* out = packed + orow * S::PACKED;
+    unsigned char* out = out_rows.packed_row(packed, orow);
     if (valid) {
 #pragma unroll
         for (int i = 0; i < NI; ++i) fq::store_chunk<BITS>(out + (t + 4 * i) * BITS, st[i]);
     }
     if constexpr (NC) csq = fq::group_sum<4>(csq);
-    if (valid && t == 0) norms[orow] = stored_norm(n, csq, NC);
+    if (valid && t == 0) *out_rows.norm_at(norms, orow) = stored_norm(n, csq, NC);
 }
 
 // Persistent loop over tiles of MMA_ROWS rows, one warp per tile. Two input buffers used alternately (no
@@ -678,7 +688,7 @@ __device__ __forceinline__ void compress_mma_rows(
         const float* __restrict__ boundaries, const float* __restrict__ centroids, const int norm_correction,     \
         unsigned char* __restrict__ packed, float* __restrict__ norms, const long long* __restrict__ out_start,   \
         const long long max_start, const unsigned run, const unsigned run_magic, const unsigned run_shift,        \
-        const long long run_stride
+        const long long run_stride, const long long packed_pitch, const long long norm_pitch
 
 template <int D, int BITS, typename T>
 __global__ void __launch_bounds__(fq_compress::HadamardLaunch<D, T>::THREADS, fq_compress::HadamardLaunch<D, T>::MIN_BLOCKS)
@@ -687,15 +697,15 @@ tq_compress_hadamard(FQ_COMPRESS_ARGS(signs)) {
     using S = HadamardShape<D, BITS, T>;
     long long start;
     if (!output_start(out_start, max_start, start)) return;  // uniform over the grid, before any barrier
-    packed += start * S::PACKED;
-    norms += start;
+    packed += start * packed_pitch;
+    norms += start * norm_pitch;
     __shared__ TableSmem table;
     __shared__ float s_csq[S::LEVELS];
     Bucketizer<BITS> bucket;
     bucket.template setup<HadamardLaunch<D, T>::MMA>(table, boundaries);
     load_centroid_squares<S::LEVELS>(s_csq, centroids, norm_correction != 0);
     const fq::FastDiv d1{n1, n1_magic, n1_shift}, d2{n2, n2_magic, n2_shift};
-    const OutRows out_rows{{run, run_magic, run_shift}, run_stride};
+    const OutRows out_rows{{run, run_magic, run_shift}, run_stride, packed_pitch, norm_pitch};
     const unsigned urows = rows;
     if constexpr (HadamardLaunch<D, T>::MMA) {
         const int lane = threadIdx.x & 31;
@@ -890,7 +900,8 @@ __device__ __forceinline__ void compress_dense_tiles(
                     if (nc) csq[i] += s_csq[idx];
                 }
                 if (r < rows)
-                    fq::store_chunk<BITS>(packed + out_rows.row(r) * S::PACKED + (pass * S::TX + tx) * BITS, stream);
+                    fq::store_chunk<BITS>(out_rows.packed_row(packed, out_rows.row(r)) + (pass * S::TX + tx) * BITS,
+                                          stream);
             }
         }
 #pragma unroll
@@ -898,7 +909,7 @@ __device__ __forceinline__ void compress_dense_tiles(
             if (nc) csq[i] = fq::group_sum<S::TX>(csq[i]);
             const int lr = ty * S::RM + i;
             const unsigned r = r0 + lr;
-            if (tx == 0 && r < rows) norms[out_rows.row(r)] = stored_norm(s_norm[lr], csq[i], nc);
+            if (tx == 0 && r < rows) *out_rows.norm_at(norms, out_rows.row(r)) = stored_norm(s_norm[lr], csq[i], nc);
         }
     }
 }
@@ -911,8 +922,8 @@ __global__ void __launch_bounds__(256) tq_compress_dense(FQ_COMPRESS_ARGS(rotati
     using S = DenseShape<D, BITS>;
     long long start;
     if (!output_start(out_start, max_start, start)) return;  // uniform over the grid, before any barrier
-    packed += start * S::PACKED;
-    norms += start;
+    packed += start * packed_pitch;
+    norms += start * norm_pitch;
     extern __shared__ float4 dense_smem[];
     __shared__ TableSmem table;
     __shared__ float s_csq[S::LEVELS];
@@ -924,7 +935,8 @@ __global__ void __launch_bounds__(256) tq_compress_dense(FQ_COMPRESS_ARGS(rotati
     const fq::FastDiv un1{n1, n1_magic, n1_shift}, un2{n2, n2_magic, n2_shift};
     compress_dense_tiles<D, BITS, T>(x, sx0, sx1, sx2, un1, un2, static_cast<unsigned>(rows), rotation, bucket,
                                      bucket.slow(), norm_correction != 0, s_csq, smem,
-                                     OutRows{{run, run_magic, run_shift}, run_stride}, packed, norms);
+                                     OutRows{{run, run_magic, run_shift}, run_stride, packed_pitch, norm_pitch}, packed,
+                                     norms);
 }
 
 #undef FQ_COMPRESS_ARGS

@@ -41,6 +41,9 @@
 //                                       is constant shifts; the contiguous modes ignore it
 //   FQD_TMA_TILES      0 (default), 1   staged tiles, 8 warps, compute capability 9.x: paged blocks of 16 keys, or
 //                                       the contiguous layout (MODE 0) with packed rows and 16-byte aligned runs
+//   FQD_INLINE_NORMS   0 (default), 1   staged contiguous tiles (with FQD_TMA_TILES) whose sides keep their norms
+//                                       after their code rows where the row's alignment allows (pitch kKRow + 4,
+//                                       kVRow + 4): one run per such side
 
 #include "decode_codes.cuh"
 #include "fast_math.cuh"
@@ -74,11 +77,15 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 
 // Staged tiles on sm_90 (8 warps): each 16-key tile reaches shared memory by the copy engine, two tiles ahead per warp,
 // and the lanes read their fragments from there (see load_staged) instead of ten register loads per lane. A paged
-// block of 16 keys is one run of bytes (one bulk copy); the contiguous layout (MODE 0) copies its four runs (key
-// codes, key norms, value codes, value norms of the tile's keys) into the same stage layout. The host builds the
+// block of 16 keys is one run of bytes (one bulk copy); the contiguous layout (MODE 0) copies its runs (key codes,
+// key norms, value codes, value norms of the tile's keys; a side whose norms follow its rows is one run) into the
+// same stage layout. The host builds the
 // contiguous variant only where rows are packed and every (sequence, head) run starts 16-byte aligned.
 #ifndef FQD_TMA_TILES
 #define FQD_TMA_TILES 0
+#endif
+#ifndef FQD_INLINE_NORMS
+#define FQD_INLINE_NORMS 0
 #endif
 
 // Whether an instantiation stages its tiles: FQD_TMA_TILES applies to the 8-warp kernels of the paged layout with
@@ -490,8 +497,10 @@ struct KVAddress {
 };
 
 // The lane's slice of the tile starting at key ts from its staged block (16 keys: [K idx | K norm | V idx | V norm]),
-// the same registers KVAddress::load fills; rows past `last` (a split's last tile) are clamped to it.
-template <class T>
+// the same registers KVAddress::load fills; rows past `last` (a split's last tile) are clamped to it. A side whose
+// norms follow its code rows (INLINE_K, INLINE_V) holds 16 x (row | norm) instead: the same bytes, the V side at the
+// same offset.
+template <class T, bool INLINE_K, bool INLINE_V>
 __device__ __forceinline__ void load_staged(Tile<T>& tile, const unsigned char* stage, int ts, int last) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   int rk[2] = {key_row<true>(g), key_row<true>(g) + 8};
@@ -500,20 +509,23 @@ __device__ __forceinline__ void load_staged(Tile<T>& tile, const unsigned char* 
     for (int i = 0; i < 2; ++i) rk[i] = min(rk[i], last - ts);
     for (int i = 0; i < 4; ++i) rv[i] = min(rv[i], last - ts);
   }
-  const unsigned char* const kn = stage + 16 * T::kKRow;
-  const unsigned char* const v = kn + 16 * 4;
-  const unsigned char* const vn = v + 16 * T::kVRow;
+  constexpr int kPitchK = INLINE_K ? T::kKRow + 4 : T::kKRow, kPitchV = INLINE_V ? T::kVRow + 4 : T::kVRow;
+  constexpr int kNormPitchK = INLINE_K ? kPitchK : 4, kNormPitchV = INLINE_V ? kPitchV : 4;
+  const unsigned char* const kn = stage + (INLINE_K ? T::kKRow : 16 * T::kKRow);
+  const unsigned char* const v = stage + 16 * (T::kKRow + 4);
+  const unsigned char* const vn = v + (INLINE_V ? T::kVRow : 16 * T::kVRow);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    load_shared_bytes<T::kKBytes, T::KeyCode::kKeyAlign>(tile.k[i], stage + rk[i] * T::kKRow + t * T::kKBytes);
-    tile.kn[i] = *reinterpret_cast<const float*>(kn + rk[i] * 4);
-    tile.vn[i] = *reinterpret_cast<const float*>(vn + rk[i] * 4);
+    load_shared_bytes<T::kKBytes, T::KeyCode::kKeyAlign>(tile.k[i], stage + rk[i] * kPitchK + t * T::kKBytes);
+    tile.kn[i] = *reinterpret_cast<const float*>(kn + rk[i] * kNormPitchK);
+    tile.vn[i] = *reinterpret_cast<const float*>(vn + rk[i] * kNormPitchV);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    load_shared_bytes<T::kVBytes, T::ValueCode::kValueAlign>(tile.v[i], v + rv[i] * T::kVRow + g * T::kVBytes);
+    load_shared_bytes<T::kVBytes, T::ValueCode::kValueAlign>(tile.v[i], v + rv[i] * kPitchV + g * T::kVBytes);
   }
 }
+
 
 // Per-warp online-softmax state for the lane's head columns (8 slots: heads 2t, 2t+1; 4 slots: head t) plus the O^T
 // accumulators. Accumulator e of an m-tile belongs to column e % kCols.
@@ -801,6 +813,11 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   const int g = lane >> 2, t = lane & 3;
   KVAddress<T, MODE, kTma> kv;
   constexpr int kStageBytes = 16 * T::kTokenBytes;
+  // The sides whose norms follow their code rows (FQD_INLINE_NORMS): those whose rows keep the alignment of the
+  // lanes' loads with the 4 norm bytes added, the sides flashquant_hf.store_layout.inline_norms stores so.
+  constexpr bool kInline = MODE != kPaged && FQD_INLINE_NORMS;
+  constexpr bool kInlineK = kInline && lowest_bit(T::kKRow + 4) >= T::KeyCode::kKeyAlign;
+  constexpr bool kInlineV = kInline && lowest_bit(T::kVRow + 4) >= T::ValueCode::kValueAlign;
   unsigned char* const stage = smem + kPagesOffset + warp * 2 * kStageBytes;
   unsigned long long* const stage_bar =
       reinterpret_cast<unsigned long long*>(smem + kPagesOffset + kWarps * 2 * kStageBytes) + 2 * warp;
@@ -855,8 +872,8 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
   constexpr int kAhead = kSplitLoads ? kPartV : kPartKV;  // what is loaded for chunk c + kWarps when c starts
   Tile<T> bufa[T::kTiles], bufb[T::kTiles];
   // Bulk-copied tiles (a chunk is one tile here), issued by lane 0. Paged: the block of chunk c from this head's
-  // slice. Contiguous: the tile's four runs, from lane 0's bases (its lane offsets are 0); the sequence's last tile,
-  // when partial, is not copied (rows past the end may not exist) but read from global memory by the loop.
+  // slice. Contiguous: the tile's runs (two to four), from lane 0's bases (its lane offsets are 0); the sequence's last
+  // tile, when partial, is not copied (rows past the end may not exist) but read from global memory by the loop.
   const unsigned char* const tile_src = k_idx + h * kStageBytes;
   auto copy_tile = [&](int chunk, int slot) {
     const int ts = tile_at(chunk, 0);
@@ -867,12 +884,20 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
     } else {
       if (ts + 15 > last) return;
       barrier_expect(stage_bar + slot, kStageBytes);
-      unsigned char* const dst_kn = dst + 16 * T::kKRow;
-      unsigned char* const dst_v = dst_kn + 64;
-      bulk_copy_counted(dst, at(kv.k, ts, T::kKRow), 16 * T::kKRow, stage_bar + slot);
-      bulk_copy_counted(dst_kn, at(kv.kn, ts, 4), 64, stage_bar + slot);
-      bulk_copy_counted(dst_v, at(kv.v, ts, T::kVRow), 16 * T::kVRow, stage_bar + slot);
-      bulk_copy_counted(dst_v + 16 * T::kVRow, at(kv.vn, ts, 4), 64, stage_bar + slot);
+      // One run per side whose norms follow its rows, else the codes' run and the norms' run.
+      if constexpr (kInlineK) {
+        bulk_copy_counted(dst, at(kv.k, ts, T::kKRow + 4), 16 * (T::kKRow + 4), stage_bar + slot);
+      } else {
+        bulk_copy_counted(dst, at(kv.k, ts, T::kKRow), 16 * T::kKRow, stage_bar + slot);
+        bulk_copy_counted(dst + 16 * T::kKRow, at(kv.kn, ts, 4), 64, stage_bar + slot);
+      }
+      unsigned char* const dst_v = dst + 16 * (T::kKRow + 4);
+      if constexpr (kInlineV) {
+        bulk_copy_counted(dst_v, at(kv.v, ts, T::kVRow + 4), 16 * (T::kVRow + 4), stage_bar + slot);
+      } else {
+        bulk_copy_counted(dst_v, at(kv.v, ts, T::kVRow), 16 * T::kVRow, stage_bar + slot);
+        bulk_copy_counted(dst_v + 16 * T::kVRow, at(kv.vn, ts, 4), 64, stage_bar + slot);
+      }
     }
   };
   // The first tiles are in flight during the prologue (the paged layout reads their block ids from the global
@@ -1003,7 +1028,7 @@ tq_decode_kernel(const void* __restrict__ q, long long q_sb, long long q_sh, lon
         kv.template load<kPartKV>(bufa[0], tile_at(c, 0), last);
       } else {
         barrier_wait(stage_bar + slot, (i >> 1) & 1);
-        load_staged<T>(bufa[0], stage + slot * kStageBytes, tile_at(c, 0), last);
+        load_staged<T, kInlineK, kInlineV>(bufa[0], stage + slot * kStageBytes, tile_at(c, 0), last);
       }
       __syncwarp();
       if (lane == 0 && c + 2 * kWarps < nchunks) copy_tile(c + 2 * kWarps, slot);

@@ -1,7 +1,8 @@
 """The ops of a static-capacity decode step as ``torch.library`` custom ops, so ``torch.compile`` traces a model whose
 cache is a static TurboQuantCache as one graph (each op is one opaque node with a fake implementation for shapes)
 and CUDA graphs capture it. ``compress_into`` writes into the store it is given and declares so
-(``mutates_args``): inductor then calls it on the store itself, with no copy; ``decode_merged`` is functional.
+(``mutates_args``): inductor then calls it on the store itself, with no copy (``compress_into_rows`` the same into a
+store of inline norms); ``decode_merged`` is functional.
 
 Each op runs the CUDA kernels or the PyTorch reference through :mod:`flashquant_hf.ops` (``backend`` is the
 layer's decision); nothing in them synchronises with the host.
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .store_layout import split_rows
 from .store_rows import check_store_rows
 
 NAMESPACE = "flashquant"
@@ -43,13 +45,44 @@ def _(x, rotation, boundaries, centroids, hadamard_signs, bits, norm_correction,
     check_store_rows(x, packed, norms, start, bits)  # a bad call fails while tracing, not at the first replay
 
 
+@torch.library.custom_op(f"{NAMESPACE}::compress_into_rows", mutates_args=("rows",))
+def compress_into_rows(
+    x: torch.Tensor,
+    rotation: torch.Tensor,
+    boundaries: torch.Tensor,
+    centroids: torch.Tensor,
+    hadamard_signs: torch.Tensor | None,
+    bits: int,
+    norm_correction: bool,
+    backend: str,
+    rows: torch.Tensor,
+    start: torch.Tensor,
+) -> None:
+    """:func:`compress_into` into inline rows ``rows [..., N, bytes + 4]`` uint8 (codes, then the fp32 norm; see
+    :mod:`~flashquant_hf.store_layout`). The op takes the whole buffer: float views of it made in a traced graph would
+    be copies, and the norms written into them lost."""
+    ops.compress_into(x, rotation, boundaries, bits, *split_rows(rows), start, centroids, norm_correction,
+                      hadamard_signs, backend=backend)
+
+
+@compress_into_rows.register_fake
+def _(x, rotation, boundaries, centroids, hadamard_signs, bits, norm_correction, backend, rows, start):
+    check_store_rows(x, *split_rows(rows), start, bits)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::decode_merged", mutates_args=())
 def decode_merged(
-    q_rot: Tensor, k_packed: Tensor, k_norms: Tensor, v_packed: Tensor, v_norms: Tensor, k_centroids: Tensor,
-    v_centroids: Tensor, lengths: Tensor, key_bias: Tensor | None, extra_out: Tensor, extra_lse: Tensor, k_bits: int,
-    v_bits: int, scale: float, backend: str,
+    q_rot: Tensor, k_packed: Tensor, k_norms: Tensor | None, v_packed: Tensor, v_norms: Tensor | None,
+    k_centroids: Tensor, v_centroids: Tensor, lengths: Tensor, key_bias: Tensor | None, extra_out: Tensor,
+    extra_lse: Tensor, k_bits: int, v_bits: int, scale: float, backend: str,
 ) -> tuple[Tensor, Tensor]:
-    """See :func:`flashquant_hf.reference.decode_merged.decode_merged`."""
+    """See :func:`flashquant_hf.reference.decode_merged.decode_merged`. A side whose norms are None keeps them after its
+    code rows: its ``*_packed`` is the uint8 rows buffer ``[B, H_kv, N, bytes + 4]`` (split here, not in the traced
+    graph, where a float view of it would be a copy of the whole store)."""
+    if k_norms is None:
+        k_packed, k_norms = split_rows(k_packed)
+    if v_norms is None:
+        v_packed, v_norms = split_rows(v_packed)
     return ops.decode_merged(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, lengths, key_bias,
                              extra_out, extra_lse, k_bits, v_bits, scale, backend=backend)
 

@@ -7,7 +7,8 @@ Token layout (positions grow to the right)::
 New tokens fill the sinks first, then enter the window; tokens that age out of the window are compressed
 *before* the attention of the step that pushed them out (decode-faithful). The compressed part is the contiguous
 layout of docs/ARCHITECTURE.md: ``k_packed [B, H_kv, N_cap, nbytes] uint8``, ``k_norms [B, H_kv, N_cap] fp32``
-(same for V), growing in blocks of ``STORE_BLOCK`` tokens. The attention over it lives in
+(same for V), or, for a side :func:`~flashquant_hf.store_layout.inline_norms` picks, one buffer of rows
+``codes | norm``; growing in blocks of ``STORE_BLOCK`` tokens. The attention over it lives in
 :mod:`flashquant_hf.attention`.
 """
 
@@ -25,6 +26,7 @@ from .buffers import TokenBuffer
 from .codec import head_codec, split_problem
 from .config import TurboQuantConfig
 from .quantizer import FLOAT_DTYPES, TurboQuantizer
+from .store_layout import inline_norms, joined_rows, split_rows
 from .tags import TAG, CompressedPlan, FirstPrefillTag
 
 # The compressed store grows by whole blocks of tokens: at most 31 tokens allocated beyond those held (<= 3% from
@@ -177,6 +179,9 @@ class TurboQuantLayer(CacheLayerMixin):
             self.head_dim, cfg.value_bits, cfg.value_seed, cfg.rotation, cfg.norm_correction, cfg.outlier_channels,
             False,
         )
+        # (keys, values): whether the store keeps the side's norms after its code rows (plain codes only)
+        self.norms_inline = inline_norms(self.head_dim, cfg.key_bits, cfg.value_bits) if self.is_plain else (
+            False, False)
         self.is_initialized = True
 
     @property
@@ -328,7 +333,9 @@ class TurboQuantLayer(CacheLayerMixin):
         value_code = self.value_codec.encode(
             self._centred(values, self.value_mean), self.value_order, self._run_compress
         )
-        self.store.append(*key_code, *value_code)
+        key_inline, value_inline = self.norms_inline
+        self.store.append(*(joined_rows(*key_code),) if key_inline else key_code,
+                          *(joined_rows(*value_code),) if value_inline else value_code)
 
     def _run_compress(self, tq: TurboQuantizer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dev = x.device
@@ -359,16 +366,18 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def compressed_views(self) -> tuple[torch.Tensor, ...]:
         """Views of the compressed tokens (``[B, H_kv, N_c, ...]``): the key code's tensors, then the value code's;
-        ``(k_packed, k_norms, v_packed, v_norms)`` for plain codes."""
-        return self.store.views()
+        ``(k_packed, k_norms, v_packed, v_norms)`` for plain codes (inline norms as views of their rows)."""
+        return self.key_views() + self.value_views()
 
     def key_views(self) -> tuple[torch.Tensor, ...]:
         """The key code's tensors of the compressed tokens (see :class:`~flashquant_hf.codec.HeadCodec`)."""
-        return self.store.views()[: self.key_codec.tensor_count]
+        views = self.store.views()
+        return split_rows(views[0]) if views and self.norms_inline[0] else views[: self.key_codec.tensor_count]
 
     def value_views(self) -> tuple[torch.Tensor, ...]:
         """The value code's tensors of the compressed tokens."""
-        return self.store.views()[self.key_codec.tensor_count :]
+        views = self.store.views()[1 if self.norms_inline[0] else self.key_codec.tensor_count :]
+        return split_rows(views[0]) if views and self.norms_inline[1] else views
 
     def _decode_compressed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The compressed tokens' K/V rebuilt, centring means added back, in ``dtype``."""

@@ -85,7 +85,9 @@ def static_decode_attention(
     key_rotation, _, key_centroids, _ = layer.tables["key"]
     value_rotation, _, value_centroids, _ = layer.tables["value"]
     q_rot = (query.float() @ key_rotation.T).to(query.dtype)
-    kp, kn, vp, vn = (t[:, :, :capacity] for t in layer.store_tensors)
+    # A side with inline norms passes its rows and None: the op splits them (store_layout).
+    (kp, kn), (vp, vn) = ((packed[:, :, :capacity], None if norms is None else norms[:, :, :capacity])
+                          for packed, norms in layer.store_sides())
     out_rot, _ = torch.ops.flashquant.decode_merged(
         q_rot, kp, kn, vp, vn, key_centroids, value_centroids, layer.lengths, key_bias,
         (out_e @ value_rotation.T).contiguous(), lse_e.contiguous(), layer.key_codec.quantizer.bits,

@@ -6,7 +6,8 @@ Storage, allocated once at the first prefill for ``max_cache_len`` tokens and wr
     exact_k / exact_v   [B, H, S + R + block, D]  slots [0, S): the sinks; [S, S + R + block): the window, a ring
     store               [B, H, N_c + block, ...]  the compressed tokens (N_c = max_cache_len - S - R), then one
                                                   block of scratch slots that absorbs the writes of steps that
-                                                  compress nothing
+                                                  compress nothing; per side codes and norms, or one buffer of
+                                                  rows ``codes | norm`` (store_layout.inline_norms)
     counts              int64 [4]                 sinks, compressed, ring start, window tokens (device)
 
 A decode step writes the new token into the first free sink slot (while the sinks are not full and nothing else
@@ -24,9 +25,10 @@ from typing import Any
 import torch
 
 from .config import TurboQuantConfig
-from .custom_ops import compress_into
+from .custom_ops import compress_into, compress_into_rows
 from .layer import TurboQuantLayer
 from .packing import packed_size
+from .store_layout import NORM_BYTES, split_rows
 from .tags import TAG, FirstPrefillTag, StaticPlan
 
 COUNTS = ("sinks", "compressed", "ring_start", "window")  # the entries of StaticTurboQuantLayer.counts
@@ -94,12 +96,14 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         key_bytes, value_bytes = packed_size(head_dim, cfg.key_bits), packed_size(head_dim, cfg.value_bits)
         self.exact_k = torch.zeros((batch, heads, exact_slots, head_dim), dtype=dtype, device=dev)
         self.exact_v = torch.zeros_like(self.exact_k)
-        self.store_tensors = (
-            torch.zeros((batch, heads, slots, key_bytes), dtype=torch.uint8, device=dev),
-            torch.zeros((batch, heads, slots), dtype=torch.float32, device=dev),
-            torch.zeros((batch, heads, slots, value_bytes), dtype=torch.uint8, device=dev),
-            torch.zeros((batch, heads, slots), dtype=torch.float32, device=dev),
-        )
+        store: list[torch.Tensor] = []
+        for row_bytes, inline in zip((key_bytes, value_bytes), self.norms_inline):
+            if inline:
+                store.append(torch.zeros((batch, heads, slots, row_bytes + NORM_BYTES), dtype=torch.uint8, device=dev))
+            else:
+                store.append(torch.zeros((batch, heads, slots, row_bytes), dtype=torch.uint8, device=dev))
+                store.append(torch.zeros((batch, heads, slots), dtype=torch.float32, device=dev))
+        self.store_tensors = tuple(store)
         self.counts = torch.zeros(len(COUNTS), dtype=torch.int64, device=dev)
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=dev)  # compressed tokens per row, for the kernel
         self.key_mean = torch.zeros((batch, heads, head_dim), device=dev) if cfg.key_centering else None
@@ -245,15 +249,19 @@ class StaticTurboQuantLayer(TurboQuantLayer):
     def _compress_into(self, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor) -> None:
         """Compress ``[B, H, n, D]`` K/V (after centring) straight into store slots ``start .. start + n`` (``start``:
         an int64 device scalar)."""
-        kp, kn, vp, vn = self.store_tensors
+        (kp, kn), (vp, vn) = self.store_sides()
         for side, x, mean, packed, norms, codec in (
             ("key", keys, self.key_mean, kp, kn, self.key_codec),
             ("value", values, self.value_mean, vp, vn, self.value_codec),
         ):
             rotation, boundaries, centroids, signs = self.tables[side]
             tq = codec.quantizer
-            compress_into(self._centred(x, mean), rotation, boundaries, centroids, signs, tq.bits, tq.norm_correction,
-                          self.backend, packed, norms, start)
+            args = (self._centred(x, mean), rotation, boundaries, centroids, signs, tq.bits, tq.norm_correction,
+                    self.backend)
+            if norms is None:
+                compress_into_rows(*args, packed, start)
+            else:
+                compress_into(*args, packed, norms, start)
 
     def _decode_store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """One token in, device counters only: the sinks or the ring take it; a full window compresses its oldest
@@ -298,10 +306,19 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         return (torch.cat([self.exact_k[:, :, :n], window_k], dim=2),
                 torch.cat([self.exact_v[:, :, :n], window_v], dim=2))
 
+    def store_sides(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """``((k_packed, k_norms), (v_packed, v_norms))``, the whole store; a side with inline norms is
+        ``(rows, None)``."""
+        tensors = iter(self.store_tensors)
+        return tuple((next(tensors), None if inline else next(tensors)) for inline in self.norms_inline)
+
     def compressed_views(self) -> tuple[torch.Tensor, ...]:
         """Views of the compressed tokens ``(k_packed, k_norms, v_packed, v_norms)``, ``[B, H_kv, N_c, ...]``."""
         n = self.num_compressed
-        return tuple(t[:, :, :n] for t in self.store_tensors)
+        views: tuple[torch.Tensor, ...] = ()
+        for packed, norms in self.store_sides():
+            views += split_rows(packed[:, :, :n]) if norms is None else (packed[:, :, :n], norms[:, :, :n])
+        return views
 
     def key_views(self) -> tuple[torch.Tensor, ...]:
         """The key code's tensors of the compressed tokens."""

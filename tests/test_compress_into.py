@@ -1,6 +1,9 @@
 """``compress_into`` on the CPU reference path: the ``flashquant::compress_into`` custom op writes, into rows
 ``start .. start + n`` of a store, exactly what ``compress`` followed by ``index_copy_`` writes, leaves every other
 row as it was, refuses bad arguments before writing anything, and compiles into a graph that writes the store itself.
+The reference writes into strided views too (codes and norm side by side in rows of one uint8 buffer), and the kernel
+wrapper's layout check (:func:`flashquant_hf.kernels.compress.store_pitches`) accepts those rows and refuses, naming
+the tensor, the layouts its kernel cannot address.
 
 The store drawn for a call with B = 2, H = 3, N = 9 slots, n = 4 rows, start = 5 (``.`` poison, ``#`` written)::
 
@@ -19,8 +22,10 @@ from torch._inductor.utils import run_and_get_code
 from flashquant_hf import custom_ops  # noqa: F401  (registers torch.ops.flashquant)
 from flashquant_hf import ops
 from flashquant_hf.codebook import lloyd_max_codebook
+from flashquant_hf.kernels.compress import store_pitches
 from flashquant_hf.packing import packed_size
 from flashquant_hf.reference.compress import compress as reference_compress
+from flashquant_hf.reference.compress import compress_into as reference_compress_into
 from flashquant_hf.rotation import hadamard_signs, random_rotation
 
 POISON_BYTE, POISON_NORM = 0xAB, float("nan")
@@ -83,6 +88,71 @@ def test_ops_compress_into_is_the_op(gen):
     ops.compress_into(x, rotation, boundaries, bits, *got, torch.tensor(6), centroids, True, signs, backend="torch")
     _call(x, tables, bits, *want, torch.tensor(6), norm_correction=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1].nan_to_num(), want[1].nan_to_num())
+
+
+def _inline_rows(lead: tuple[int, ...], slots: int, row_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A uint8 store ``rows [..., N, row_bytes + 4]`` filled with 0xFF, and its views ``packed`` (the codes) and
+    ``norms`` (the fp32 norm after them)."""
+    rows = torch.full(lead + (slots, row_bytes + 4), 0xFF, dtype=torch.uint8)
+    return rows, rows[..., :row_bytes], rows[..., row_bytes:].view(torch.float32).squeeze(-1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_reference_writes_into_inline_rows(head_dim, bits, gen):
+    """Codes and norm side by side in one row: the rows ``start .. start + n`` hold exactly ``compress``'s codes and
+    norms' bytes, every other byte keeps its 0xFF."""
+    rotation, boundaries, centroids, signs = _tables(head_dim, bits, "hadamard")
+    row_bytes = packed_size(head_dim, bits)
+    for lead, slots, n in [((2, 3), 9, 4), ((), 12, 12), ((1, 2, 2), 30, 1)]:
+        x = torch.randn(lead + (n, head_dim), generator=gen)
+        first = int(torch.randint(0, slots - n + 1, (), generator=gen))
+        rows, packed, norms = _inline_rows(lead, slots, row_bytes)
+        reference_compress_into(x, rotation, boundaries, bits, packed, norms, torch.tensor(first), centroids, True,
+                                signs)
+        codes, code_norms = reference_compress(x, rotation, boundaries, bits, centroids, True, signs)
+        want = torch.full_like(rows, 0xFF)
+        want[..., first : first + n, :row_bytes] = codes
+        want[..., first : first + n, row_bytes:] = code_norms.unsqueeze(-1).view(torch.uint8)
+        assert torch.equal(rows, want), f"lead={lead} N={slots} n={n} start={first}"
+
+
+def test_kernel_store_pitches_of_contiguous_and_inline_rows():
+    """The row pitches the kernel writes with: the row length for contiguous stores, the inline row's for views."""
+    row_bytes = packed_size(128, 3)
+    assert store_pitches(torch.empty(2, 3, 9, row_bytes, dtype=torch.uint8), torch.empty(2, 3, 9)) == (row_bytes, 1)
+    _, packed, norms = _inline_rows((2, 3), 9, row_bytes)
+    assert store_pitches(packed, norms) == (row_bytes + 4, (row_bytes + 4) // 4)
+    _, packed, norms = _inline_rows((1, 1), 1, row_bytes)  # a single row: its pitch is never used
+    assert store_pitches(packed, norms) == (row_bytes, 1)
+
+
+# (store overrides, message): layouts the kernel cannot write, refused naming the tensor and its strides.
+BAD_LAYOUTS = [
+    (lambda p, m: dict(packed=p.transpose(0, 1), norms=m.transpose(0, 1)),
+     r"`packed` must have one uniform stride between consecutive rows .* strides \(612, 1836, 68, 1\)"),
+    (lambda p, m: dict(norms=torch.zeros(2, 3, 10)[..., :9]),
+     r"`norms` must have one uniform stride between consecutive rows .* strides \(30, 10, 1\)"),
+    (lambda p, m: dict(packed=p[:, :, ::2], norms=m[:, :, ::2]),  # every other slot
+     r"`packed` must have one uniform stride .* strides \(1836, 612, 136, 1\)"),
+    (lambda p, m: dict(packed=torch.zeros(2, 3, 9, 66, dtype=torch.uint8)[..., :64]),
+     r"`packed` rows must start at 4-byte aligned addresses \(row pitch 66 bytes.* strides \(1782, 594, 66, 1\)"),
+    (lambda p, m: dict(packed=torch.zeros(2, 3, 9, 68, dtype=torch.uint8)[..., 2:66]),
+     r"`packed` rows must start at 4-byte aligned addresses \(row pitch 68 bytes, address 2 mod 4\)"),
+    (lambda p, m: dict(packed=torch.zeros(2, 3, 9, 128, dtype=torch.uint8)[..., ::2]),
+     r"`packed` must have contiguous rows \(last stride 1\).* strides \(3456, 1152, 128, 2\)"),
+    (lambda p, m: dict(packed=torch.zeros(1, 64, dtype=torch.uint8).expand(54, 64).view(2, 3, 9, 64)),
+     r"`packed` rows must not overlap \(row pitch 0 < row length 64\)"),
+]
+
+
+@pytest.mark.parametrize("overrides,match", BAD_LAYOUTS)
+def test_kernel_store_pitches_refuse_layouts_the_kernel_cannot_write(overrides, match):
+    _, packed, norms = _inline_rows((2, 3), 9, 64)
+    args = dict(packed=packed, norms=norms)
+    args.update(overrides(packed, norms))
+    with pytest.raises(ValueError, match=match):
+        store_pitches(args["packed"], args["norms"])
 
 
 # (argument overrides, error, message): each is refused before anything is written.

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashquant_hf.kernels.decode_launch as dl
+from flashquant_hf import store_layout
 
 
 def finish_time(units, lengths, sms, first_speedup):
@@ -101,14 +102,14 @@ def test_builds_hold_every_launch_build():
                                 (dl.MODE_PAGED, [3, 4, 5, 6])):
                 for log2_bs in sizes:
                     for head_dim in dl.HEAD_DIMS:
-                        for runs_staged in (False, True):
+                        for runs_staged in (0, dl.RUNS_SEPARATE, dl.RUNS_INLINE):
                             options = dl.build_options(mode, heads, log2_bs, head_dim, capability, runs_staged)
                             assert {dl.kernel_name(head_dim, kind, mode) for kind in (0, 1, 2)} <= builds[options]
                             stageable = log2_bs == 4 if mode == dl.MODE_PAGED else (
-                                mode == dl.MODE_CONTIGUOUS and runs_staged)
+                                mode == dl.MODE_CONTIGUOUS and runs_staged > 0)
                             assert (dl.TMA_OPTION in options) == (capability == 9 and head_dim <= 128 and stageable)
     staged = {options: names for options, names in builds.items() if dl.TMA_OPTION in options}
-    assert len(staged) == 4 and all("<256," not in " ".join(names) for names in staged.values())
+    assert len(staged) == 6 and all("<256," not in " ".join(names) for names in staged.values())
     assert all(len([n for n in names if n.endswith(", 4, 4>")]) == 6 for names in staged.values())
 
 
@@ -141,7 +142,7 @@ def test_table_sizes_follow_the_code_width(bits, entries):
 def test_slice_alignment_is_the_lane_load_piece(head_dim, bits, keys, alignment):
     """A lane's slice (a quarter of a key row, an eighth of a value row) is read in the widest power-of-two pieces
     that divide it, at most 16 bytes."""
-    assert dl.slice_alignment(head_dim, bits, keys) == alignment
+    assert store_layout.slice_alignment(head_dim, bits, keys) == alignment
     assert dl.token_bytes(head_dim, bits, bits) == head_dim * bits // 4 + 8
 
 
@@ -166,10 +167,10 @@ def test_tq_attention_routes_every_decode_width_to_a_kernel():
 def test_contiguous_staging_where_a_slice_takes_several_loads(head_dim, k_bits, v_bits, staged):
     """The contiguous layout stages its tiles exactly where a lane's key quarter or value eighth would take more than
     one register load in the widest pieces its alignment allows."""
-    loads = [head_dim * bits // share // dl.slice_alignment(head_dim, bits, keys=share == 32)
+    loads = [head_dim * bits // share // store_layout.slice_alignment(head_dim, bits, keys=share == 32)
              for bits, share in ((k_bits, 32), (v_bits, 64))]
     assert (max(loads) > 1) == staged
-    assert dl.contiguous_staging_pays(head_dim, k_bits, v_bits) == staged
+    assert store_layout.contiguous_staging_pays(head_dim, k_bits, v_bits) == staged
 
 
 def test_prepared_call_reuse_needs_the_aligned_addresses():

@@ -182,17 +182,21 @@ def test_decode_step_traces_as_one_graph():
 
 
 @pytest.mark.slow
-def test_compiled_fullgraph_equals_eager_across_rollover():
+@pytest.mark.parametrize("bits", [4, 3])  # 3: norms after their code rows (store_layout), written by a traced op
+def test_compiled_fullgraph_equals_eager_across_rollover(bits):
     """``torch.compile(fullgraph=True)`` of the decode step (aot_eager: the traced graph, without inductor's
     codegen, which the GPU tests cover): the same logits over steps that compress several blocks, no recompile."""
     model = _model("llama_d64_gqa4")
-    eager, _ = _greedy(model, TurboQuantCache(max_cache_len=CAPACITY, **SMALL_WINDOW), _prompt(9), 24)
+    eager_cache = TurboQuantCache(max_cache_len=CAPACITY, bits=bits, **SMALL_WINDOW)
+    eager, _ = _greedy(model, eager_cache, _prompt(9), 24)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    cache = TurboQuantCache(max_cache_len=CAPACITY, bits=bits, **SMALL_WINDOW)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        got, _ = _greedy(model, TurboQuantCache(max_cache_len=CAPACITY, **SMALL_WINDOW), _prompt(9), 24,
-                         forward=compiled)
+        got, _ = _greedy(model, cache, _prompt(9), 24, forward=compiled)
     torch.testing.assert_close(got, eager, rtol=0, atol=1e-6)
+    for layer, eager_layer in zip(cache.layers, eager_cache.layers):  # the same codes and norms in the store
+        assert all(torch.equal(a, b) for a, b in zip(layer.store_tensors, eager_layer.store_tensors, strict=True))
 
 
 def test_generate_would_compile_a_static_cache(caplog):

@@ -1,5 +1,7 @@
 """CUDA ``compress`` (``cuda/compress.cu``): norm + rotation + bucketize + bit packing in one launch; ``compress_into``
-writes the same codes straight into rows of a store whose first row is read from device memory.
+writes the same codes straight into rows of a store whose first row is read from device memory. The store's rows may
+lie any uniform pitch apart (:func:`store_pitches`): contiguous ``packed`` / ``norms``, or rows that hold their codes
+and fp32 norm side by side in one uint8 buffer.
 
 Same signature and results as :func:`flashquant_hf.reference.compress.compress`, except that an index may
 differ where a rotated coordinate lies within float rounding (~1e-7) of a boundary. With ``hadamard_signs``
@@ -139,6 +141,46 @@ def collapse_rows(
     return [m[0] for m in merged], [[m[1][k] for m in merged] for k in range(len(strides))]
 
 
+def store_pitches(packed: Tensor, norms: Tensor) -> tuple[int, int]:
+    """(bytes between consecutive rows of ``packed``, floats between consecutive ``norms``) of outputs flattened over
+    their leading dimensions (``packed [..., bytes]``, ``norms [...]``): the kernel writes flattened row r at
+    ``packed + r * packed_pitch`` and ``norms + r * norm_pitch``.
+
+    Contiguous outputs give (bytes, 1). Rows that hold their codes and norm side by side, ``packed = rows[..., :kb]``
+    and ``norms = rows[..., kb:].view(torch.float32).squeeze(-1)`` of a uint8 ``rows [..., kb + 4]``, give
+    (kb + 4, (kb + 4) / 4). Anything else raises a ValueError naming the tensor and its strides: leading strides that
+    do not collapse to one uniform row stride, a ``packed`` row that is not contiguous, a ``packed`` pitch or address
+    that is not a multiple of 4 bytes (the kernel stores 2- and 4-byte words), a misaligned ``norms``, or rows that
+    overlap.
+    """
+    if packed.shape[-1] > 1 and packed.stride(-1) != 1:
+        raise ValueError(f"`packed` must have contiguous rows (last stride 1), got shape {list(packed.shape)} and "
+                         f"strides {packed.stride()}")
+    rows = math.prod(norms.shape)
+    return (_row_pitch("packed", packed, packed.dim() - 1, packed.shape[-1], rows),
+            _row_pitch("norms", norms, norms.dim(), 1, rows))
+
+
+def _row_pitch(name: str, t: Tensor, lead_dims: int, row: int, rows: int) -> int:
+    """Elements between consecutive rows of ``t`` flattened over its first ``lead_dims`` dimensions (``rows`` rows of
+    ``row`` elements), checked as :func:`store_pitches` says."""
+    got = f"got shape {list(t.shape)} and strides {t.stride()}"
+    pitch = row  # one row (or none): its pitch is never used
+    if rows > 1:
+        layout = collapse_rows(t.shape[:lead_dims], t.stride()[:lead_dims], max_dims=1)
+        if layout is None:
+            raise ValueError(f"`{name}` must have one uniform stride between consecutive rows over all its leading "
+                             f"dimensions (the kernel writes flattened row r at r * pitch), {got}")
+        pitch = layout[1][0][0]
+    pitch_bytes = pitch * t.element_size()
+    if pitch_bytes % 4 or t.data_ptr() % 4:
+        raise ValueError(f"`{name}` rows must start at 4-byte aligned addresses (row pitch {pitch_bytes} bytes, "
+                         f"address {t.data_ptr() % 4} mod 4), {got}")
+    if rows > 1 and pitch < row:
+        raise ValueError(f"`{name}` rows must not overlap (row pitch {pitch} < row length {row}), {got}")
+    return pitch
+
+
 def check_bits(bits: object) -> int:
     """``bits`` as an int in the codebook's supported set, else ValueError."""
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in SUPPORTED_BITS:
@@ -256,7 +298,9 @@ def compress_into(
     Parameters
     ----------
     x : shape [..., n, D], as for :func:`compress`
-    packed : uint8 shape [..., N, ceil(D*bits/8)], contiguous; norms : fp32 shape [..., N], contiguous
+    packed : uint8 shape [..., N, ceil(D*bits/8)]; norms : fp32 shape [..., N]. Each may be a strided view whose
+        rows [..., N] lie one uniform pitch apart (:func:`store_pitches`), e.g. codes and norm side by side in rows of
+        one uint8 buffer.
     start : int64 CUDA tensor of one element, the first row
 
     >>> compress_into(x, pi, boundaries, 4, store_packed, store_norms, first_free)  # doctest: +SKIP
@@ -264,13 +308,11 @@ def compress_into(
     bits = _check_compress_inputs(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs)
     check_served("compress", x.shape[-1], bits)
     check_store_rows(x, packed, norms, start, bits)
-    for name, t in (("packed", packed), ("norms", norms)):
-        if not t.is_contiguous() or t.data_ptr() % 4:
-            raise ValueError(f"`{name}` must be contiguous and 4-byte aligned (the kernel writes rows at a device "
-                             f"offset of a contiguous store), got strides {t.stride()}")
+    pitches = store_pitches(packed, norms)
     if x.numel() == 0:
         return
-    launch_compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs, packed, norms, start)
+    launch_compress(x, rotation, boundaries, bits, centroids, norm_correction, hadamard_signs, packed, norms, start,
+                    pitches)
 
 
 def launch_compress(
@@ -284,10 +326,13 @@ def launch_compress(
     packed: torch.Tensor,
     norms: torch.Tensor,
     start: torch.Tensor | None = None,
+    pitches: tuple[int, int] | None = None,
 ) -> None:
-    """Launch the compress kernel (no validation) into contiguous ``packed``/``norms``: of ``x``'s leading shape, or,
-    with ``start`` (int64, one element, on the device), stores ``[..., N, bytes]`` / ``[..., N]`` whose rows
-    ``start .. start + n`` receive ``x [..., n, D]`` (a start outside ``[0, N - n]`` writes nothing)."""
+    """Launch the compress kernel (no other validation) into ``packed``/``norms``: of ``x``'s leading shape, or, with
+    ``start`` (int64, one element, on the device), stores ``[..., N, bytes]`` / ``[..., N]`` whose rows
+    ``start .. start + n`` receive ``x [..., n, D]`` (a start outside ``[0, N - n]`` writes nothing). ``pitches``:
+    :func:`store_pitches` of the outputs, which it computes (and checks) when not given."""
+    packed_pitch, norm_pitch = pitches if pitches is not None else store_pitches(packed, norms)
     head_dim = x.shape[-1]
     x = aligned_rows(x, 16)
     layout = collapse_rows(x.shape[:-1], x.stride()[:-1])
@@ -297,10 +342,11 @@ def launch_compress(
     assert layout is not None
     sizes, (strides,) = layout
     rows = math.prod(x.shape[:-1])
-    if start is None:  # one run of `rows` contiguous rows from row 0
+    if start is None:  # one run of `rows` consecutive rows from row 0
         out_start, max_start, run, run_stride = np.uint64(0), 0, rows, rows
-    else:  # runs of n rows (one per leading index), N rows apart, from row `start`
-        out_start, max_start, run, run_stride = start, norms.shape[-1] - x.shape[-2], x.shape[-2], norms.shape[-1]
+    else:  # runs of n rows (one per leading index), N slots apart, from row `start`
+        slots = packed.shape[-2]
+        out_start, max_start, run, run_stride = start, slots - x.shape[-2], x.shape[-2], slots
     device = x.device
     index = device_index(device)
     centroids_arg = centroids if centroids is not None else boundaries  # never read without norm correction
@@ -322,5 +368,6 @@ def launch_compress(
         *fast_divider(sizes[1]), *fast_divider(sizes[2]), rows,
         table, boundaries.contiguous(), centroids_arg.contiguous(), bool(norm_correction), packed, norms,
         out_start, np.int64(max_start), *fast_divider(run), np.int64(run_stride),
+        np.int64(packed_pitch), np.int64(norm_pitch),
     )
     loader.launch(kernel, (grid,), (threads,), args, device, shared_mem=smem)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..paged import BLOCK_SIZES
+from ..store_layout import NORM_BYTES, contiguous_staging_pays, inline_norms
 from . import checks, decode_launcher, loader, merge_partials
 from .loader import get_kernel
 
@@ -63,16 +64,6 @@ def token_bytes(head_dim: int, k_bits: int = 4, v_bits: int = 4) -> int:
     return head_dim * (k_bits + v_bits) // 8 + 8
 
 
-def slice_bytes(head_dim: int, bits: int, keys: bool) -> int:
-    """Bytes of a lane's slice of one packed row: a quarter of a key row or an eighth of a value row."""
-    return head_dim * bits // (32 if keys else 64)
-
-
-def slice_alignment(head_dim: int, bits: int, keys: bool) -> int:
-    """Byte alignment a row of packed codes needs: a lane reads its slice (:func:`slice_bytes`) in pieces of up to 16
-    bytes (the widest power of two dividing it)."""
-    lane_bytes = slice_bytes(head_dim, bits, keys)
-    return min(16, lane_bytes & -lane_bytes)
 
 
 def reduction_bytes(head_dim: int, warps: int) -> int:
@@ -87,10 +78,14 @@ PAIRED_OPTION = "-DFQD_HEAD_SLOTS=4"
 # Staged tiles on sm_90 (8 warps): every tile reaches shared memory by the copy engine, two tiles ahead per warp,
 # instead of ten register loads per lane (plus an L2 prefetch when paged): paged blocks of 16 keys (one bulk copy per
 # tile), and the contiguous layout without key_bias where rows are packed and each (sequence, head) run is 16-byte
-# aligned (four copies per tile, see contiguous_runs_staged). False gives the register loads of other GPUs (tests
-# compare both on sm_90).
+# aligned (one copy per run: two to four per tile, see contiguous_runs). False gives the register loads of other
+# GPUs (tests compare both on sm_90).
 TMA_TILES = True
 TMA_OPTION = "-DFQD_TMA_TILES=1"
+# How a contiguous launch stages its tiles (runs_staged, see staged_runs): not at all, codes and norms as separate runs,
+# or the sides store_layout.inline_norms picks as one run of rows with their norms (the build's option).
+RUNS_SEPARATE, RUNS_INLINE = 1, 2
+INLINE_NORMS_OPTION = "-DFQD_INLINE_NORMS=1"
 TMA_PREFETCH_CHUNKS = 0  # L2 prefetch distance beyond the two staged tiles (none: faster without on the H200)
 LUT_BYTES = 2 * 256 * 32 * 4 + 1024  # the TQ4 tables: K and V byte->pair tables, one copy per lane, + kLutSlack
 MAX_PAGE_BYTES = 4096  # shared-memory copy of one split's block-table slice
@@ -129,10 +124,10 @@ def block_size_option(log2_block_size: int) -> str:
 
 
 def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: int,
-                  capability_major: int, runs_staged: bool = False) -> tuple[str, ...]:
+                  capability_major: int, runs_staged: int = 0) -> tuple[str, ...]:
     """NVRTC options of the decode build a launch uses on a GPU of compute capability ``capability_major``.x: the
     paired build for 4 head slots (``heads``), the paged build for its block size, and staged tiles where they apply
-    (see TMA_TILES; ``runs_staged``: a contiguous layout whose runs allow it, :func:`contiguous_runs_staged`)."""
+    (see TMA_TILES; ``runs_staged``: how a contiguous layout's runs allow it, :func:`staged_runs`)."""
     options = (PAIRED_OPTION,) if heads == 4 else ()
     if mode == MODE_PAGED:
         options += (block_size_option(log2_block_size),)
@@ -140,34 +135,48 @@ def build_options(mode: int, heads: int, log2_block_size: int | None, head_dim: 
     staged = log2_block_size == 4 if mode == MODE_PAGED else mode == MODE_CONTIGUOUS and runs_staged
     if TMA_TILES and staged and warps_for(head_dim) == 8 and capability_major == 9:
         options += (TMA_OPTION,)
+        if mode == MODE_CONTIGUOUS and runs_staged == RUNS_INLINE:
+            options += (INLINE_NORMS_OPTION,)
     return options
 
 
-def slice_loads(head_dim: int, bits: int, keys: bool) -> int:
-    """Register loads a lane spends on its slice of one packed row: :func:`slice_bytes` in pieces of
-    :func:`slice_alignment` bytes."""
-    return slice_bytes(head_dim, bits, keys) // slice_alignment(head_dim, bits, keys)
 
 
-def contiguous_staging_pays(head_dim: int, k_bits: int, v_bits: int) -> bool:
-    """Whether the contiguous layout stages its tiles at these widths: where a lane's key or value slice takes several
-    register loads (3-bit codes at head_dim 128: three for a key quarter or a value eighth). Where each takes one
-    (4- and 2-bit codes) the register loads beat the tile's copies (docs/kernels_decode.md, "Measured and
-    rejected")."""
-    return max(slice_loads(head_dim, k_bits, keys=True), slice_loads(head_dim, v_bits, keys=False)) > 1
+def contiguous_runs(k_packed: torch.Tensor, k_norms: torch.Tensor, v_packed: torch.Tensor,
+                    v_norms: torch.Tensor) -> tuple[bool, bool] | None:
+    """How the contiguous layout's sides can be bulk-copied per 16-key tile: per side (keys, values), True where the
+    norms follow their code rows in one buffer (:mod:`~flashquant_hf.store_layout`: one run), False where codes and
+    norms are two packed runs; None when a side is neither, or a (sequence, head) run does not start 16-byte
+    aligned."""
+    layout = []
+    for codes, norms in ((k_packed, k_norms), (v_packed, v_norms)):
+        row, pitch = codes.shape[3], codes.stride(2)
+        if pitch == row and norms.stride(2) == 1:
+            runs = ((codes, 1), (norms, 4))
+            layout.append(False)
+        elif (pitch == row + NORM_BYTES and norms.stride(2) * 4 == pitch
+              and all(n == 1 or 4 * ns == cs for ns, cs, n in zip(norms.stride()[:2], codes.stride()[:2], codes.shape))
+              and norms.data_ptr() == codes.data_ptr() + row):
+            runs = ((codes, 1),)
+            layout.append(True)
+        else:
+            return None
+        for t, size in runs:
+            if t.data_ptr() % 16 or any(s * size % 16 for s, n in zip(t.stride()[:2], t.shape[:2]) if n > 1):
+                return None
+    return layout[0], layout[1]
 
 
-def contiguous_runs_staged(tensors: tuple[torch.Tensor, ...], row_bytes: tuple[int, ...]) -> bool:
-    """Whether the contiguous layout's four runs (key codes, key norms, value codes, value norms, each
-    ``[B, H_kv, N, row]``) can be bulk-copied per 16-key tile: rows packed (``row_bytes`` apart) and every (sequence,
-    head) run starting 16-byte aligned."""
-    for t, row in zip(tensors, row_bytes):
-        size = t.element_size()
-        if t.stride(2) * size != row or t.data_ptr() % 16:
-            return False
-        if any(s * size % 16 for s, n in zip(t.stride()[:2], t.shape[:2]) if n > 1):
-            return False
-    return True
+def staged_runs(head_dim: int, k_bits: int, v_bits: int, layout: tuple[bool, bool] | None) -> int:
+    """``runs_staged`` of a contiguous launch without key_bias: RUNS_SEPARATE or RUNS_INLINE where the decode stages
+    tiles at these widths (:func:`contiguous_staging_pays`) and the sides are laid out as that build reads them
+    (:func:`contiguous_runs`; inline exactly where :func:`~flashquant_hf.store_layout.inline_norms` says), else 0
+    (register loads)."""
+    if layout is None or not contiguous_staging_pays(head_dim, k_bits, v_bits):
+        return 0
+    if layout == (False, False):
+        return RUNS_SEPARATE
+    return RUNS_INLINE if layout == inline_norms(head_dim, k_bits, v_bits) else 0
 
 
 def _builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
@@ -179,7 +188,7 @@ def _builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
                 sizes = [size.bit_length() - 1 for size in BLOCK_SIZES] if mode == MODE_PAGED else [None]
                 for log2_block_size in sizes:
                     for head_dim in HEAD_DIMS:
-                        for runs_staged in (False, True):
+                        for runs_staged in (0, RUNS_SEPARATE, RUNS_INLINE):
                             options = build_options(mode, heads, log2_block_size, head_dim, capability_major,
                                                     runs_staged)
                             names = builds.setdefault(options, [])
@@ -206,7 +215,8 @@ def _width_builds() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
     return (((), names(MODE_CONTIGUOUS, HEAD_DIMS)),
             ((block_size_option(4),), names(MODE_PAGED, HEAD_DIMS)),
             (staged, names(MODE_PAGED, (64, 128))),
-            ((PAIRED_OPTION, TMA_OPTION), names(MODE_CONTIGUOUS, (64, 128))))
+            ((PAIRED_OPTION, TMA_OPTION), names(MODE_CONTIGUOUS, (64, 128))),
+            ((PAIRED_OPTION, TMA_OPTION, INLINE_NORMS_OPTION), names(MODE_CONTIGUOUS, (64, 128))))
 
 
 def _merged(*groups: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]):
@@ -391,7 +401,7 @@ def clear_caches() -> None:
 
 def _launch_for(mode: int, head_dim: int, query_kind: int, bits: tuple[int, int], index: int,
                 units: tuple[int, int, int], rows: int, length: int, log2_block_size: int | None,
-                heads: int, runs_staged: bool = False) -> _Launch:
+                heads: int, runs_staged: int = 0) -> _Launch:
     key = (mode, head_dim, query_kind, bits, index, units, rows, length, log2_block_size, heads, runs_staged, WARPS,
            SLOT_FACTOR,
            FIRST_PLACE_SPEEDUP, FIRST_PLACE_SPEEDUP_8_SLOTS, TMA_TILES, PREFETCH_CHUNKS, TMA_PREFETCH_CHUNKS,
@@ -450,7 +460,7 @@ def run_decode(
     mode: int, q3: torch.Tensor, q_strides: tuple[int, int, int], tensor_args: tuple, batch: int, kv_heads: int,
     group: int, max_len: int, centroids: tuple[torch.Tensor, torch.Tensor], bits: tuple[int, int], scale: float,
     out: torch.Tensor, lse: torch.Tensor, log2_block_size: int | None = None,
-    extra: tuple[torch.Tensor, torch.Tensor] | None = None, runs_staged: bool = False,
+    extra: tuple[torch.Tensor, torch.Tensor] | None = None, runs_staged: int = 0,
 ) -> PreparedDecode | None:
     """Plan, launch the decode kernel and (for several splits) the merge into ``out``, ``lse`` (contiguous,
     ``rows x D`` and ``rows`` elements).
@@ -463,8 +473,8 @@ def run_decode(
     tensors or ``NULL``, strides as ``np.int64``, ints as int). The grid's units are ``units_shape(batch, H_kv,
     group)``.
     The plan, workspace and argument layout are cached per shape, so repeated calls (every layer of every decode
-    step) only rewrite pointers and launch. ``runs_staged``: the contiguous layout's runs may be bulk-copied
-    (:func:`contiguous_runs_staged`).
+    step) only rewrite pointers and launch. ``runs_staged``: how the contiguous layout's runs are bulk-copied
+    (:func:`staged_runs`; 0: not at all).
 
     Returns, without ``extra`` and with ``FAST_LAUNCH``, the call prepared for reuse (:class:`PreparedDecode`):
     calls whose arguments differ only in their pointers may launch through it.

@@ -13,11 +13,12 @@ import torch
 from torch import Tensor
 
 from ..packing import packed_size
+from ..store_layout import slice_alignment
 from . import checks, decode_launcher
 from .decode_launch import (
     MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, PreparedDecode, call_signature, check_codebooks, check_query,
-    contiguous_runs_staged, contiguous_staging_pays, decode_outputs, remember_call, remember_compiled, run_compiled,
-    run_decode, run_prepared, slice_alignment, TMA_OPTION,
+    contiguous_runs, decode_outputs, remember_call, remember_compiled, run_compiled, run_decode, run_prepared,
+    staged_runs, TMA_OPTION,
 )
 
 
@@ -27,6 +28,13 @@ def _check_cache_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple, 
     checks.check_device(name, t, device, like="`q_rot`")
     if alignment:  # the lanes' vector loads
         checks.check_aligned_rows(name, t, alignment)
+
+
+def _norms_follow_rows(packed: object, norms: object) -> bool:
+    try:
+        return norms.data_ptr() - packed.data_ptr() == packed.shape[-1]
+    except (AttributeError, IndexError, TypeError, RuntimeError):  # not tensors: the checks name them
+        return False
 
 
 def check_decode_inputs(q_rot, k_packed, k_norms, v_packed, v_norms, k_bits, v_bits, key_bias) -> None:
@@ -62,18 +70,23 @@ def tq_decode(
     ----------
     q_rot : fp16/bf16/fp32 shape [B, Hq, 1, D]; D in {64, 128, 256}
     k_packed, v_packed : views of a larger capacity buffer are read in place (element strides); rows aligned as
-        :func:`~flashquant_hf.kernels.decode_launch.slice_alignment` says
+        :func:`~flashquant_hf.store_layout.slice_alignment` says
     k_bits, v_bits : 1 to 4
-    k_norms, v_norms, k_centroids, v_centroids, scale, causal, key_bias : as for the reference
+    k_norms, v_norms : fp32 [B, H_kv, N], element strides; a side's norms may follow its code rows in one buffer
+        (:func:`~flashquant_hf.store_layout.split_rows`)
+    k_centroids, v_centroids, scale, causal, key_bias : as for the reference
     """
     scale = float(scale)
     # In the order of the kernel's pointer arguments; the compiled launcher serves calls prepared before.
     tensors = (q_rot, k_packed, k_norms, v_packed, v_norms, key_bias, k_centroids, v_centroids)
-    values = (decode_launcher.TQ_DECODE, k_bits, v_bits, scale)
+    # The staged build reads inline norms from their code rows (store_layout): a prepared call serves only calls whose
+    # norms follow their rows where its first call's did.
+    follow = (_norms_follow_rows(k_packed, k_norms), _norms_follow_rows(v_packed, v_norms))
+    values = (decode_launcher.TQ_DECODE, k_bits, v_bits, scale, *follow)
     result = run_compiled(tensors, values)
     if result is not None:
         return result
-    signature = call_signature("tq_decode", tensors, k_bits, v_bits, scale)
+    signature = call_signature("tq_decode", tensors, *values[1:])
     result = run_prepared(signature, tensors, values)
     if result is not None:
         return result
@@ -89,8 +102,8 @@ def tq_decode(
     launched = launch_contiguous(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, k_bits,
                                  v_bits, scale, key_bias, out, lse)
     if launched is not None:  # later calls check what this one's build assumed of the addresses
-        if TMA_OPTION in launched.options:  # every run bulk-copied
-            runs = (16, 16, 16, 16)
+        if TMA_OPTION in launched.options:  # every run bulk-copied, inline norms with their rows
+            runs = (16, 4 if follow[0] else 16, 16, 4 if follow[1] else 16)
         else:
             runs = (slice_alignment(head_dim, k_bits, keys=True), 4, slice_alignment(head_dim, v_bits, keys=False), 4)
         found = remember_call(signature, launched, (1, *runs, 1, 1, 1))  # per tensor: query, runs, bias, centroids
@@ -126,8 +139,8 @@ def launch_contiguous(
         i64(0), 0, num_keys,
     )
     qs = q_rot.stride()
-    runs_staged = key_bias is None and contiguous_staging_pays(head_dim, k_bits, v_bits) and contiguous_runs_staged(
-        (k_packed, k_norms, v_packed, v_norms), (k_packed.shape[3], 4, v_packed.shape[3], 4))
+    runs_staged = 0 if key_bias is not None else staged_runs(
+        head_dim, k_bits, v_bits, contiguous_runs(k_packed, k_norms, v_packed, v_norms))
     return run_decode(
         mode, q_rot, (qs[0], qs[1], qs[3]), tensor_args, batch, kv_heads, q_heads // kv_heads,
         num_keys, (k_centroids, v_centroids), (k_bits, v_bits), float(scale), out, lse, extra=extra,

@@ -52,7 +52,8 @@ def compress_into(
     Parameters
     ----------
     x : shape [..., n, D]
-    packed : uint8 shape [..., N, ceil(D*bits/8)], N >= n; norms : fp32 shape [..., N]
+    packed : uint8 shape [..., N, ceil(D*bits/8)], N >= n; norms : fp32 shape [..., N]. Either may be a strided
+        view, e.g. codes and fp32 norm side by side in rows of one uint8 buffer (the rows are written through it).
     start : int64, one element, on the store's device: the first row. On the CPU a start outside [0, N - n]
         raises a ValueError; on a GPU its value is not read on the host (no synchronisation) and such a start
         writes nothing.

@@ -1,7 +1,7 @@
 """Tiny paged (block sizes 8-64, GQA 4 and 8, every code width at blocks of 8 and 16) + contiguous decode (several
 splits, so the merge runs too; every code width at head_dim 64 and 128, with register loads and, where the widths
-and 16-byte aligned runs allow it, staged tiles, also over splits of several steps) and a 40-split merge (the
-merge's deep-batch variant) for compute-sanitizer:
+and 16-byte aligned runs allow it, staged tiles, also over splits of several steps; the cache's layout of norms
+after their code rows where it uses it) and a 40-split merge (the merge's deep-batch variant) for compute-sanitizer:
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize_decode.py [--warps 4] [--cupy-launch]
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_decode.py
@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import flashquant_hf.kernels.decode_launch as dl  # noqa: E402
+from flashquant_hf import store_layout  # noqa: E402
 from flashquant_hf.codebook import lloyd_max_codebook  # noqa: E402
 from flashquant_hf.kernels.paged_decode import paged_decode  # noqa: E402
 from flashquant_hf.kernels.merge_partials import merge_partials  # noqa: E402
@@ -84,18 +85,34 @@ def main() -> None:
                               head_dim**-0.5)
             assert torch.isfinite(ow).all(), f"bits {bits}, head_dim {head_dim}"
             # 16-byte aligned runs: the staged tiles (sm_90, narrow widths), whose partial last tile reads global memory
-            kw_s = torch.randint(0, 256, (2, 2, 784, kw.shape[-1]), dtype=torch.uint8, device=dev)[:, :, :777]
-            vw_s = torch.randint(0, 256, (2, 2, 784, vw.shape[-1]), dtype=torch.uint8, device=dev)[:, :, :777]
-            kn_s, vn_s = (torch.rand(2, 2, 784, device=dev)[:, :, :777] for _ in range(2))
+            full = [torch.randint(0, 256, (2, 2, 784, t.shape[-1]), dtype=torch.uint8, device=dev) for t in (kw, vw)]
+            full_norms = [torch.rand(2, 2, 784, device=dev) for _ in range(2)]
+            (kw_s, vw_s), (kn_s, vn_s) = ([t[:, :, :777] for t in ts] for ts in (full, full_norms))
             ow, _ = tq_decode(qw, kw_s, kn_s, vw_s, vn_s, codebook(bits[0], head_dim), codebook(bits[1], head_dim),
                               *bits, head_dim**-0.5)
             assert torch.isfinite(ow).all(), f"bits {bits}, head_dim {head_dim}, aligned runs"
+            sides = store_layout.inline_norms(head_dim, *bits)
+            if any(sides):  # the cache's layout: norms after their code rows where inline_norms says
+                stored = []
+                for inline, codes, norms in zip(sides, full, full_norms):
+                    if inline:
+                        codes, norms = store_layout.split_rows(store_layout.joined_rows(codes, norms))
+                    stored += [codes[:, :, :777], norms[:, :, :777]]
+                assert dl.staged_runs(head_dim, *bits, dl.contiguous_runs(*stored)) in (0, dl.RUNS_INLINE)
+                ow, _ = tq_decode(qw, *stored, codebook(bits[0], head_dim), codebook(bits[1], head_dim), *bits,
+                                  head_dim**-0.5)
+                assert torch.isfinite(ow).all(), f"bits {bits}, head_dim {head_dim}, inline norms"
     # staged tiles over splits of several steps (64 units: four splits of 512-640 keys), so the stages are refilled
-    kl, vl = (torch.randint(0, 256, (8, 8, 2140, 48), dtype=torch.uint8, device=dev)[:, :, :2125] for _ in range(2))
-    knl, vnl = (torch.rand(8, 8, 2140, device=dev)[:, :, :2125] for _ in range(2))
+    long_full = [torch.randint(0, 256, (8, 8, 2140, 48), dtype=torch.uint8, device=dev) for _ in range(2)]
+    long_norms = [torch.rand(8, 8, 2140, device=dev) for _ in range(2)]
+    (kl, vl), (knl, vnl) = ([t[:, :, :2125] for t in ts] for ts in (long_full, long_norms))
     ql = torch.randn(8, 32, 1, 128, device=dev, dtype=torch.bfloat16)
     ol, _ = tq_decode(ql, kl, knl, vl, vnl, codebook(3), codebook(3), 3, 3, 128**-0.5)
     assert torch.isfinite(ol).all(), "staged steps"
+    rows = [store_layout.joined_rows(t, n) for t, n in zip(long_full, long_norms)]
+    inline = [t for r in rows for t in store_layout.split_rows(r[:, :, :2125])]
+    ol, _ = tq_decode(ql, *inline, codebook(3), codebook(3), 3, 3, 128**-0.5)
+    assert torch.isfinite(ol).all(), "staged steps, inline norms"
     outs, lses = torch.randn(40, 5, 128, device=dev), torch.randn(40, 5, device=dev)
     lses[3] = float("-inf")  # an empty split
     merged, _ = merge_partials(outs, lses)

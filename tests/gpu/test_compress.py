@@ -346,6 +346,13 @@ def _store(lead: tuple[int, ...], slots: int, head_dim: int, bits: int, poison) 
     return poison(packed), poison(torch.empty(lead + (slots,), device="cuda"))
 
 
+def _inline_store(lead: tuple[int, ...], slots: int, row_bytes: int, fill: int):
+    """A uint8 store ``rows [..., N, row_bytes + 4]`` filled with ``fill``, and its views ``packed`` (the codes) and
+    ``norms`` (the fp32 norm after them): rows ``row_bytes + 4`` bytes apart."""
+    rows = torch.full(lead + (slots, row_bytes + 4), fill, dtype=torch.uint8, device="cuda")
+    return rows, rows[..., :row_bytes], rows[..., row_bytes:].view(torch.float32).squeeze(-1)
+
+
 def _store_problems(label, x, packed, norms, first, rotation, boundaries, centroids, bits, nc) -> list[str]:
     """What differs from the reference in rows ``first .. first + n`` of the store, and any row outside them that
     lost its poison (``first`` None: no row may be written)."""
@@ -465,12 +472,54 @@ def test_compress_into_through_ops_and_the_custom_op(poison):
 
 
 BAD_STORES = [
-    (lambda p, m: dict(packed=p.transpose(0, 1)), r"`packed` must be contiguous"),
-    (lambda p, m: dict(norms=m.transpose(0, 1)), r"`norms` must be contiguous"),
+    (lambda p, m: dict(packed=p.transpose(0, 1)), r"`packed` must have one uniform stride .* \(1920, 7680, 64, 1\)"),
+    (lambda p, m: dict(norms=m.transpose(0, 1)), r"`norms` must have one uniform stride .* \(30, 120, 1\)"),
+    (lambda p, m: dict(packed=torch.zeros((4, 4, 30, 70), dtype=torch.uint8, device="cuda")[..., :64]),
+     r"`packed` rows must start at 4-byte aligned addresses \(row pitch 70 bytes"),
+    (lambda p, m: dict(packed=p[:, :, :20], norms=m[:, :, :20]), r"`packed` must have one uniform stride"),
     (lambda p, m: dict(packed=p[..., :63]), r"`packed` must be uint8 of shape \[4, 4, N, 64\]"),
     (lambda p, m: dict(start=torch.tensor(1.5, device="cuda")), r"`start` must be an int64 tensor"),
     (lambda p, m: dict(start=torch.tensor(1)), r"must share a device"),
 ]
+
+
+@pytest.mark.parametrize("path", kc.ROTATION_PATHS)
+@pytest.mark.parametrize("head_dim", kc.HEAD_DIMS)
+@pytest.mark.parametrize("bits", kc.BITS)
+def test_compress_into_inline_rows_holds_what_compress_returns(path, head_dim, bits, rng_seed, cuda_gen):
+    """Codes and fp32 norm side by side in rows of one uint8 buffer (filled with 0xFF), written through the strided
+    views: rows ``start .. start + n`` hold bit for bit what ``compress`` returns for the same ``x`` (the same
+    kernel), every other byte keeps its 0xFF; a start outside [0, N - n] writes nothing. Every dtype, leading shapes
+    of 0-3 dims (HF's strided [B, L, H, D] view among them), enough rows at D=128 for several rounds of the grid."""
+    seed, gen = rng_seed, cuda_gen  # the seed is printed with every failure
+    rotation, signs = _rotation(path, head_dim, seed % 1000)
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits).tensors("cuda")
+    row_bytes = packed_size(head_dim, bits)
+    shapes = [((), 20, 7, False), ((1, 8), 17, 1, False), ((3, 2), 129, 97, True), ((2, 2, 3), 64, 64, False)]
+    if head_dim == 128:
+        shapes.append(((4, 8), 4100, 4096, True))
+    problems = []
+    for dtype in DTYPES:
+        for lead, slots, n, hf_view in shapes:
+            nc = n % 2 == 1
+            if hf_view:  # [B, n, H, D] transposed to [B, H, n, D]
+                x = _inputs((lead[0], n, *lead[1:], head_dim), dtype, gen).transpose(1, 2)
+            else:
+                x = _inputs(lead + (n, head_dim), dtype, gen)
+            codes, code_norms = kc.compress(x, rotation, boundaries, bits, centroids, nc, signs)
+            label = f"{path} D={head_dim} bits={bits} {dtype} {list(x.shape[:-1])} into {slots}"
+            first = int(torch.randint(0, slots - n + 1, (), generator=gen, device="cuda"))
+            for at in (first, -1, slots - n + 1):
+                rows, packed, norms = _inline_store(lead, slots, row_bytes, 0xFF)
+                kc.compress_into(x, rotation, boundaries, bits, packed, norms, torch.tensor(at, device="cuda"),
+                                 centroids, nc, signs)
+                want = torch.full_like(rows, 0xFF)
+                if at == first:
+                    want[..., first : first + n, :row_bytes] = codes
+                    want[..., first : first + n, row_bytes:] = code_norms.unsqueeze(-1).view(torch.uint8)
+                if not torch.equal(rows, want):
+                    problems.append(f"{label} at {at} seed={seed}: {int((rows != want).sum())} bytes differ")
+    assert not problems, f"{len(problems)} failing settings:\n" + "\n".join(problems[:8])
 
 
 @pytest.mark.parametrize("overrides,match", BAD_STORES)

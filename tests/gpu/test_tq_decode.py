@@ -7,6 +7,7 @@ import pytest
 import torch
 from tolerance import assert_attention_within_dtype_error
 
+from flashquant_hf import store_layout
 from flashquant_hf.packing import packed_size
 from flashquant_hf.reference.tq_attention import tq_attention as reference_attention
 
@@ -429,7 +430,67 @@ def test_tq_decode_staged_and_register_tiles(bits, head_dim, group, monkeypatch,
             (setup,) = dl._LAUNCHES.values()
             staged = dl.TMA_OPTION in setup.options
             aligned = (num_keys + extra + (-num_keys) % 4) % 4 == 0
-            pays = dl.contiguous_staging_pays(head_dim, *bits)
+            pays = store_layout.contiguous_staging_pays(head_dim, *bits)
             assert staged == (tma and staged_available and aligned and pays), setup
             check(result, q, cache, c_k, c_v, bits=bits)
     dl.clear_caches()
+
+
+def stored_as(head_dim, k_bits, v_bits, cache, capacity_extra):
+    """The same codes and norms laid out as the contiguous store keeps them (store_layout.inline_norms): a side with
+    inline norms as views of one uint8 buffer of rows ``codes | fp32 norm`` whose capacity (poisoned rows beyond N)
+    is a multiple of 16 rows, so every (sequence, head) run starts 16-byte aligned."""
+    sides = []
+    for inline, (codes, norms) in zip(store_layout.inline_norms(head_dim, k_bits, v_bits), (cache[:2], cache[2:])):
+        if not inline:
+            sides += [codes, norms]
+            continue
+        capacity = -(-(codes.shape[2] + capacity_extra) // 16) * 16
+        rows = torch.full((*codes.shape[:2], capacity, codes.shape[3] + 4), 0xFF, dtype=torch.uint8, device=DEV)
+        rows = rows[:, :, : codes.shape[2]]
+        rows.copy_(store_layout.joined_rows(codes, norms.contiguous()))
+        sides += store_layout.split_rows(rows)
+    return tuple(sides)
+
+
+@pytest.mark.parametrize("head_dim, bits", [(128, (3, 3)), (128, (3, 2)), (128, (4, 3)), (128, (3, 4)),
+                                            (128, (2, 3)), (64, (3, 3)), (64, (4, 3))])
+@pytest.mark.parametrize("num_keys,group", [(1, 4), (97, 8), (1111, 4), (4133, 1)])
+def test_tq_decode_norms_inline(head_dim, bits, num_keys, group, cuda_gen):
+    """The store's layout with norms after their code rows (one run per such side in a staged tile on sm_90): the
+    reference's result, staged by the build that reads that layout where tiles are staged."""
+    import flashquant_hf.kernels.decode_launch as dl
+
+    sides = store_layout.inline_norms(head_dim, *bits)
+    assert any(sides)
+    aligned = 16 - num_keys % 16  # a capacity of whole tiles: every (sequence, head) run of a side 16-byte aligned
+    separate = random_cache(2, 2, num_keys, head_dim, aligned, seed=300 + num_keys, k_bits=bits[0], v_bits=bits[1])
+    cache = stored_as(head_dim, *bits, separate, 19)
+    assert dl.contiguous_runs(*cache) == sides
+    q = torch.randn(2, 2 * group, 1, head_dim, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
+    check_widths(q, cache, *bits)
+    staged = [launch.options for launch in dl._LAUNCHES.values() if dl.TMA_OPTION in launch.options]
+    assert all(dl.INLINE_NORMS_OPTION in options for options in staged)
+    if torch.cuda.get_device_capability()[0] == 9 and num_keys >= 16:
+        assert staged, "sm_90 stages the inline layout's tiles"
+
+
+def test_prepared_inline_call_does_not_serve_other_norms(cuda_gen):
+    """A call prepared for norms that follow their rows is not reused for a call of the same shapes and strides whose
+    norms live elsewhere: the staged build would read the rows' bytes as norms."""
+    from flashquant_hf.kernels.tq_decode import tq_decode
+
+    head_dim, bits, num_keys = 128, (3, 3), 2048
+    ck, cv = centroids(head_dim, 3), centroids(head_dim, 3)
+    separate = random_cache(2, 2, num_keys, head_dim, seed=7, k_bits=3, v_bits=3)
+    inline = stored_as(head_dim, *bits, separate, 0)
+    q = torch.randn(2, 8, 1, head_dim, device=DEV, dtype=torch.bfloat16, generator=cuda_gen)
+    for _ in range(2):  # prepared, then served by the prepared call
+        check(tq_decode(q, *inline, ck, cv, *bits, head_dim**-0.5), q, inline, ck, cv, bits)
+    other_norms = []
+    for norms in (inline[1], inline[3]):  # the same strides, other values, not after the rows
+        buffer = torch.rand(*norms.shape[:2], norms.shape[2] * norms.stride(2), device=DEV, generator=cuda_gen) + 0.5
+        other_norms.append(buffer[:, :, :: norms.stride(2)])
+        assert other_norms[-1].stride() == norms.stride()
+    mixed = (inline[0], other_norms[0], inline[2], other_norms[1])
+    check(tq_decode(q, *mixed, ck, cv, *bits, head_dim**-0.5), q, mixed, ck, cv, bits)
