@@ -1,8 +1,7 @@
 """The ops of a static-capacity decode step as ``torch.library`` custom ops, so ``torch.compile`` traces a model whose
 cache is a static TurboQuantCache as one graph (each op is one opaque node with a fake implementation for shapes)
 and CUDA graphs capture it. ``compress_into`` writes into the store it is given and declares so
-(``mutates_args``): inductor then calls it on the store itself, with no copy (``compress_into_rows`` the same into a
-store of inline norms); ``decode_merged`` is functional.
+(``mutates_args``): inductor then calls it on the store itself, with no copy; ``decode_merged`` is functional.
 
 Each op runs the CUDA kernels or the PyTorch reference through :mod:`flashquant_hf.ops` (``backend`` is the
 layer's decision); nothing in them synchronises with the host.
@@ -31,43 +30,23 @@ def compress_into(
     norm_correction: bool,
     backend: str,
     packed: torch.Tensor,
-    norms: torch.Tensor,
+    norms: torch.Tensor | None,
     start: torch.Tensor,
 ) -> None:
     """See :func:`flashquant_hf.reference.compress.compress_into`: ``x [..., n, D]`` into rows ``start .. start + n``
-    of ``packed [..., N, bytes]`` / ``norms [..., N]``, in place."""
+    of ``packed [..., N, bytes]`` / ``norms [..., N]``, in place. ``norms`` None: ``packed`` is a store of inline
+    norms, rows ``[..., N, bytes + 4]`` uint8 (codes, then the fp32 norm; :mod:`~flashquant_hf.store_layout`), split
+    here: float views of it made in a traced graph would be copies, and the norms written into them lost."""
+    if norms is None:
+        packed, norms = split_rows(packed)
     ops.compress_into(x, rotation, boundaries, bits, packed, norms, start, centroids, norm_correction, hadamard_signs,
                       backend=backend)
 
 
 @compress_into.register_fake
 def _(x, rotation, boundaries, centroids, hadamard_signs, bits, norm_correction, backend, packed, norms, start):
-    check_store_rows(x, packed, norms, start, bits)  # a bad call fails while tracing, not at the first replay
-
-
-@torch.library.custom_op(f"{NAMESPACE}::compress_into_rows", mutates_args=("rows",))
-def compress_into_rows(
-    x: torch.Tensor,
-    rotation: torch.Tensor,
-    boundaries: torch.Tensor,
-    centroids: torch.Tensor,
-    hadamard_signs: torch.Tensor | None,
-    bits: int,
-    norm_correction: bool,
-    backend: str,
-    rows: torch.Tensor,
-    start: torch.Tensor,
-) -> None:
-    """:func:`compress_into` into inline rows ``rows [..., N, bytes + 4]`` uint8 (codes, then the fp32 norm; see
-    :mod:`~flashquant_hf.store_layout`). The op takes the whole buffer: float views of it made in a traced graph would
-    be copies, and the norms written into them lost."""
-    ops.compress_into(x, rotation, boundaries, bits, *split_rows(rows), start, centroids, norm_correction,
-                      hadamard_signs, backend=backend)
-
-
-@compress_into_rows.register_fake
-def _(x, rotation, boundaries, centroids, hadamard_signs, bits, norm_correction, backend, rows, start):
-    check_store_rows(x, *split_rows(rows), start, bits)
+    # a bad call fails while tracing, not at the first replay
+    check_store_rows(x, *(split_rows(packed) if norms is None else (packed, norms)), start, bits)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::decode_merged", mutates_args=())

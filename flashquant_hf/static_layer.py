@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .config import TurboQuantConfig
-from .custom_ops import compress_into, compress_into_rows
+from .custom_ops import compress_into
 from .layer import TurboQuantLayer
 from .packing import packed_size
 from .store_layout import NORM_BYTES, split_rows
@@ -256,12 +256,8 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         ):
             rotation, boundaries, centroids, signs = self.tables[side]
             tq = codec.quantizer
-            args = (self._centred(x, mean), rotation, boundaries, centroids, signs, tq.bits, tq.norm_correction,
-                    self.backend)
-            if norms is None:
-                compress_into_rows(*args, packed, start)
-            else:
-                compress_into(*args, packed, norms, start)
+            compress_into(self._centred(x, mean), rotation, boundaries, centroids, signs, tq.bits, tq.norm_correction,
+                          self.backend, packed, norms, start)  # norms None: packed holds inline norms
 
     def _decode_store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """One token in, device counters only: the sinks or the ring take it; a full window compresses its oldest
