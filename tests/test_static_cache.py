@@ -244,3 +244,25 @@ def test_refusals_leave_the_cache_unchanged():
         with pytest.raises(ValueError, match="is full"):
             model(torch.full((2, 1), 7), **cache_kwargs(model, cache))
     assert int(cache.get_seq_length()) == 32
+
+
+@pytest.mark.slow
+def test_inductor_writes_inline_norms():
+    """Inductor's code for the decode step (CPU) writes the codes and norms of a store whose norms follow their code
+    rows (bits=3: one uint8 buffer per side, handed whole to ``flashquant::compress_into``) as eager mode does: the
+    same codes, norms within float rounding, the same logits."""
+    model = _model("llama_d64_gqa4")
+    eager_cache = TurboQuantCache(max_cache_len=CAPACITY, bits=3, **SMALL_WINDOW)
+    eager, _ = _greedy(model, eager_cache, _prompt(9), 24)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    cache = TurboQuantCache(max_cache_len=CAPACITY, bits=3, **SMALL_WINDOW)
+    got, _ = _greedy(model, cache, _prompt(9), 24, forward=compiled)
+    torch.testing.assert_close(got, eager, rtol=0, atol=1e-5)
+    for layer, eager_layer in zip(cache.layers, eager_cache.layers):
+        assert layer.norms_inline == (True, True) and layer.num_compressed >= 32
+        k_packed, k_norms, v_packed, v_norms = layer.compressed_views()
+        want = eager_layer.compressed_views()
+        assert torch.equal(k_packed, want[0]) and torch.equal(v_packed, want[2])
+        torch.testing.assert_close(k_norms, want[1], rtol=1e-6, atol=0)  # inductor's centring rounds differently
+        torch.testing.assert_close(v_norms, want[3], rtol=1e-6, atol=0)
