@@ -6,8 +6,9 @@ Storage, allocated once at the first prefill for ``max_cache_len`` tokens and wr
     exact_k / exact_v   [B, H, S + R + block, D]  slots [0, S): the sinks; [S, S + R + block): the window, a ring
     store               [B, H, N_c + block, ...]  the compressed tokens (N_c = max_cache_len - S - R), then one
                                                   block of scratch slots that absorbs the writes of steps that
-                                                  compress nothing; per side codes and norms, or one buffer of
-                                                  rows ``codes | norm`` (store_layout.inline_norms)
+                                                  compress nothing (slots rounded up to a multiple of
+                                                  16); per side codes and norms, or one buffer of rows
+                                                  ``codes | norm`` (store_layout.inline_norms)
     counts              int64 [4]                 sinks, compressed, ring start, window tokens (device)
 
 A decode step writes the new token into the first free sink slot (while the sinks are not full and nothing else
@@ -32,6 +33,9 @@ from .store_layout import NORM_BYTES, split_rows
 from .tags import TAG, FirstPrefillTag, StaticPlan
 
 COUNTS = ("sinks", "compressed", "ring_start", "window")  # the entries of StaticTurboQuantLayer.counts
+# The store's slots per (sequence, head), rounded up to a multiple of 16: every run of rows and norms then starts
+# 16-byte aligned, which the staged decode's bulk copies need (otherwise it reads with register loads, slower).
+STORE_SLOT_MULTIPLE = 16
 
 
 def check_capacity(max_cache_len: Any) -> int:
@@ -92,7 +96,7 @@ class StaticTurboQuantLayer(TurboQuantLayer):
         batch, heads, _, head_dim = key_states.shape
         dev, dtype = key_states.device, key_states.dtype
         exact_slots = cfg.sink_tokens + self.window_capacity
-        slots = self.store_capacity + cfg.window_block
+        slots = -(-(self.store_capacity + cfg.window_block) // STORE_SLOT_MULTIPLE) * STORE_SLOT_MULTIPLE
         key_bytes, value_bytes = packed_size(head_dim, cfg.key_bits), packed_size(head_dim, cfg.value_bits)
         self.exact_k = torch.zeros((batch, heads, exact_slots, head_dim), dtype=dtype, device=dev)
         self.exact_v = torch.zeros_like(self.exact_k)

@@ -139,3 +139,24 @@ def test_inline_cache_decodes_as_the_separate_one(max_cache_len, monkeypatch):
     want = _logits(model, separate, prompt, 24)
     assert separate.layers[0].norms_inline == (False, False)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_static_store_runs_stay_aligned_at_any_capacity(bits):
+    """Whatever max_cache_len gives, the static store's (sequence, head) runs start 16-byte aligned, so the staged
+    decode can copy them (decode_launch.contiguous_runs finds a layout, the store's inline sides where it has any)."""
+    from flashquant_hf.kernels.decode_launch import contiguous_runs
+
+    for max_cache_len in (93, 101, 130):
+        cache = TurboQuantCache(max_cache_len=max_cache_len, bits=bits, residual_length=16, window_block=8,
+                                sink_tokens=4)
+        k, v = _kv(max_cache_len - 3, 4)
+        cache.update(k, v, 0)
+        layer = cache.layers[0]
+        assert layer.num_compressed > 0
+        capacity = layer.store_capacity
+        sides = [(p[:, :, :capacity], n) for p, n in layer.store_sides()]
+        views = []
+        for packed, norms in sides:
+            views += store_layout.split_rows(packed) if norms is None else [packed, norms[:, :, :capacity]]
+        assert contiguous_runs(*views) == layer.norms_inline, max_cache_len
