@@ -79,8 +79,8 @@ enum { kContiguous = 0, kContiguousBias = 1, kPaged = 2 };
 // and the lanes read their fragments from there (see load_staged) instead of ten register loads per lane. A paged
 // block of 16 keys is one run of bytes (one bulk copy); the contiguous layout (MODE 0) copies its runs (key codes,
 // key norms, value codes, value norms of the tile's keys; a side whose norms follow its rows is one run) into the
-// same stage layout. The host builds the
-// contiguous variant only where rows are packed and every (sequence, head) run starts 16-byte aligned.
+// same stage layout. The host builds the contiguous variant only where rows are packed and every (sequence, head)
+// run starts 16-byte aligned.
 #ifndef FQD_TMA_TILES
 #define FQD_TMA_TILES 0
 #endif
@@ -525,7 +525,6 @@ __device__ __forceinline__ void load_staged(Tile<T>& tile, const unsigned char* 
     load_shared_bytes<T::kVBytes, T::ValueCode::kValueAlign>(tile.v[i], v + rv[i] * kPitchV + g * T::kVBytes);
   }
 }
-
 
 // Per-warp online-softmax state for the lane's head columns (8 slots: heads 2t, 2t+1; 4 slots: head t) plus the O^T
 // accumulators. Accumulator e of an m-tile belongs to column e % kCols.

@@ -367,17 +367,24 @@ class TurboQuantLayer(CacheLayerMixin):
     def compressed_views(self) -> tuple[torch.Tensor, ...]:
         """Views of the compressed tokens (``[B, H_kv, N_c, ...]``): the key code's tensors, then the value code's;
         ``(k_packed, k_norms, v_packed, v_norms)`` for plain codes (inline norms as views of their rows)."""
-        return self.key_views() + self.value_views()
+        keys, values = self._side_views()
+        return keys + values
 
     def key_views(self) -> tuple[torch.Tensor, ...]:
         """The key code's tensors of the compressed tokens (see :class:`~flashquant_hf.codec.HeadCodec`)."""
-        views = self.store.views()
-        return split_rows(views[0]) if views and self.norms_inline[0] else views[: self.key_codec.tensor_count]
+        return self._side_views()[0]
 
     def value_views(self) -> tuple[torch.Tensor, ...]:
         """The value code's tensors of the compressed tokens."""
-        views = self.store.views()[1 if self.norms_inline[0] else self.key_codec.tensor_count :]
-        return split_rows(views[0]) if views and self.norms_inline[1] else views
+        return self._side_views()[1]
+
+    def _side_views(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """(key code's tensors, value code's tensors) of the compressed tokens, from one pass over the store."""
+        views = self.store.views()
+        key_count = 1 if self.norms_inline[0] else self.key_codec.tensor_count
+        sides = (views[:key_count], views[key_count:])
+        return tuple(split_rows(side[0]) if inline and side else side
+                     for side, inline in zip(sides, self.norms_inline))
 
     def _decode_compressed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The compressed tokens' K/V rebuilt, centring means added back, in ``dtype``."""

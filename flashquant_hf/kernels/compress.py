@@ -328,11 +328,11 @@ def launch_compress(
     start: torch.Tensor | None = None,
     pitches: tuple[int, int] | None = None,
 ) -> None:
-    """Launch the compress kernel (no other validation) into ``packed``/``norms``: of ``x``'s leading shape, or, with
+    """Launch the compress kernel (no validation) into ``packed``/``norms``: of ``x``'s leading shape, or, with
     ``start`` (int64, one element, on the device), stores ``[..., N, bytes]`` / ``[..., N]`` whose rows
     ``start .. start + n`` receive ``x [..., n, D]`` (a start outside ``[0, N - n]`` writes nothing). ``pitches``:
-    :func:`store_pitches` of the outputs, which it computes (and checks) when not given."""
-    packed_pitch, norm_pitch = pitches if pitches is not None else store_pitches(packed, norms)
+    :func:`store_pitches` of the outputs; None for contiguous ones (row bytes, 1)."""
+    packed_pitch, norm_pitch = pitches if pitches is not None else (packed.shape[-1], 1)
     head_dim = x.shape[-1]
     x = aligned_rows(x, 16)
     layout = collapse_rows(x.shape[:-1], x.stride()[:-1])
