@@ -67,6 +67,12 @@ def split_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows[..., :row_bytes], rows[..., row_bytes:].view(torch.float32).squeeze(-1)
 
 
+def norms_follow_rows(packed: torch.Tensor, norms: torch.Tensor) -> bool:
+    """Whether ``norms`` starts right after the first code row of ``packed`` (views of inline rows; their strides say
+    the rest)."""
+    return norms.data_ptr() == packed.data_ptr() + packed.shape[-1]
+
+
 def joined_rows(packed: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
     """Inline rows ``[..., bytes + 4]`` uint8 of ``packed [..., bytes]`` and contiguous fp32 ``norms [...]``."""
     return torch.cat((packed, norms.unsqueeze(-1).view(torch.uint8)), dim=-1)

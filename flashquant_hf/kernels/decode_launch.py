@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..paged import BLOCK_SIZES
-from ..store_layout import NORM_BYTES, contiguous_staging_pays, inline_norms
+from ..store_layout import NORM_BYTES, contiguous_staging_pays, inline_norms, norms_follow_rows
 from . import checks, decode_launcher, loader, merge_partials
 from .loader import get_kernel
 
@@ -156,7 +156,7 @@ def contiguous_runs(k_packed: torch.Tensor, k_norms: torch.Tensor, v_packed: tor
             layout.append(False)
         elif (pitch == row + NORM_BYTES and norms.stride(2) * 4 == pitch
               and all(n == 1 or 4 * ns == cs for ns, cs, n in zip(norms.stride()[:2], codes.stride()[:2], codes.shape))
-              and norms.data_ptr() == codes.data_ptr() + row):
+              and norms_follow_rows(codes, norms)):
             runs = ((codes, 1),)
             layout.append(True)
         else:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..packing import packed_size
-from ..store_layout import slice_alignment
+from ..store_layout import norms_follow_rows, slice_alignment
 from . import checks, decode_launcher
 from .decode_launch import (
     MODE_CONTIGUOUS, MODE_CONTIGUOUS_BIAS, NULL, PreparedDecode, call_signature, check_codebooks, check_query,
@@ -32,7 +32,7 @@ def _check_cache_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple, 
 
 def _norms_follow_rows(packed: object, norms: object) -> bool:
     try:
-        return norms.data_ptr() - packed.data_ptr() == packed.shape[-1]
+        return norms_follow_rows(packed, norms)
     except (AttributeError, IndexError, TypeError, RuntimeError):  # not tensors: the checks name them
         return False
 
