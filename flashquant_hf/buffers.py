@@ -22,9 +22,20 @@ class TokenBuffer:
             raise ValueError(f"`block` must be an integer >= 1, got {block!r}")
         self.block = block
         self.max_capacity = max_capacity
-        self.tensors: tuple[torch.Tensor, ...] = ()
+        self.tensors = ()
         self.start = 0
         self.length = 0
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The buffers, ``[B, H, capacity, ...]`` each."""
+        return self._tensors
+
+    @tensors.setter
+    def tensors(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self._tensors = tensors
+        # (start, length) and the views of the live tokens; dropped with the tensors, whose memory they would hold
+        self._live: tuple[tuple[int, int], tuple[torch.Tensor, ...]] | None = None
 
     @property
     def capacity(self) -> int:
@@ -42,8 +53,13 @@ class TokenBuffer:
         return sum(t.numel() * t.element_size() for t in self.views())
 
     def views(self) -> tuple[torch.Tensor, ...]:
-        """The live tokens of every tensor (views, shape ``[B, H, length, ...]``)."""
-        return tuple(t[:, :, self.start : self.start + self.length] for t in self.tensors)
+        """The live tokens of every tensor (views, shape ``[B, H, length, ...]``): the same tuple until the buffer
+        changes, so a reader can key what it derives from them on it (a decode step reads a layer's store views
+        several times; the store changes once per window block)."""
+        live = (self.start, self.length)
+        if self._live is None or self._live[0] != live:
+            self._live = live, tuple(t[:, :, self.start : self.start + self.length] for t in self.tensors)
+        return self._live[1]
 
     def _new_capacity(self, need: int) -> int:
         grown = -(-need // self.block) * self.block

@@ -117,6 +117,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self._first_prefill: tuple[int, list[int], list[int]] | None = None
         self._stats_taken = False
         self._pending: CompressedPlan | None = None
+        self._store_sides: tuple[tuple[torch.Tensor, ...], tuple[tuple[torch.Tensor, ...], ...]] | None = None
 
     @property
     def num_sink(self) -> int:
@@ -379,12 +380,17 @@ class TurboQuantLayer(CacheLayerMixin):
         return self._side_views()[1]
 
     def _side_views(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """(key code's tensors, value code's tensors) of the compressed tokens, from one pass over the store."""
+        """(key code's tensors, value code's tensors) of the compressed tokens, made once per state of the store (the
+        host time of a decode step is the model's speed in eager mode)."""
         views = self.store.views()
+        if self._store_sides is not None and self._store_sides[0] is views:
+            return self._store_sides[1]
         key_count = 1 if self.norms_inline[0] else self.key_codec.tensor_count
         sides = (views[:key_count], views[key_count:])
-        return tuple(split_rows(side[0]) if inline and side else side
-                     for side, inline in zip(sides, self.norms_inline))
+        sides = tuple(split_rows(side[0]) if inline and side else side
+                      for side, inline in zip(sides, self.norms_inline))
+        self._store_sides = views, sides
+        return sides
 
     def _decode_compressed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The compressed tokens' K/V rebuilt, centring means added back, in ``dtype``."""
@@ -517,6 +523,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self._rebatch(lambda t: t[indices.to(t.device)])
 
     def _rebatch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._store_sides = None
         for buffer in self._buffers():
             buffer.rebatch(fn)
         self._map_stats(fn)
@@ -538,6 +545,7 @@ class TurboQuantLayer(CacheLayerMixin):
             self._move(self.device)
 
     def _move(self, device) -> None:
+        self._store_sides = None  # views of the old tensors would keep their memory
         for buffer in self._buffers():
             buffer.to(device, non_blocking=True)
         self._map_stats(lambda t: t.to(device, non_blocking=True))

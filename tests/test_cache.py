@@ -523,3 +523,33 @@ def test_uninstall_keeps_an_implementation_registered_after_install():
     finally:
         AttentionInterface.register("sdpa", original)
         install()
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_compressed_views_follow_the_store(bits):
+    """The views the attention reads are made once per state of the store (at 3 bits and D 64 the norms follow the
+    code rows and are split from them): after every step they equal the store's live tokens, split here."""
+    layer = TurboQuantLayer(TurboQuantConfig(backend="torch", bits=bits, residual_length=8, window_block=4,
+                                             sink_tokens=2), layer_idx=0)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(40):
+        k, v = _kv(int(torch.randint(1, 4, (), generator=gen)), dim=64, seed=100 + step)
+        plan = getattr(layer.update(k, v)[0], TAG, None)
+        if isinstance(plan, CompressedPlan):
+            layer.consume_plan(plan)
+        if step == 20:
+            layer.reorder_cache(torch.tensor([1, 0]))
+        if step == 30:
+            layer.crop(-3)
+        if not layer.num_compressed:
+            continue
+        views = layer.compressed_views()
+        assert all(a is b for a, b in zip(views, layer.compressed_views(), strict=True))
+        store = layer.store
+        live = [t[:, :, store.start : store.start + store.length] for t in store.tensors]
+        inline = bits == 3
+        assert layer.norms_inline == (inline, inline) and len(live) == (2 if inline else 4)
+        want = [part for rows in live for part in (rows[..., :-4], rows[..., -4:].contiguous().view(torch.float32)[
+            ..., 0])] if inline else live
+        assert [v.shape for v in views] == [w.shape for w in want]
+        assert all(torch.equal(v, w) for v, w in zip(views, want))
