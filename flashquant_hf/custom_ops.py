@@ -19,6 +19,11 @@ from .store_rows import check_store_rows
 NAMESPACE = "flashquant"
 
 
+def _codes_and_norms(packed: Tensor, norms: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A side's codes and norms; ``norms`` None: ``packed`` is its buffer of inline rows, split here."""
+    return split_rows(packed) if norms is None else (packed, norms)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::compress_into", mutates_args=("packed", "norms"))
 def compress_into(
     x: torch.Tensor,
@@ -37,8 +42,7 @@ def compress_into(
     of ``packed [..., N, bytes]`` / ``norms [..., N]``, in place. ``norms`` None: ``packed`` is a store of inline
     norms, rows ``[..., N, bytes + 4]`` uint8 (codes, then the fp32 norm; :mod:`~flashquant_hf.store_layout`), split
     here: float views of it made in a traced graph would be copies, and the norms written into them lost."""
-    if norms is None:
-        packed, norms = split_rows(packed)
+    packed, norms = _codes_and_norms(packed, norms)
     ops.compress_into(x, rotation, boundaries, bits, packed, norms, start, centroids, norm_correction, hadamard_signs,
                       backend=backend)
 
@@ -46,7 +50,7 @@ def compress_into(
 @compress_into.register_fake
 def _(x, rotation, boundaries, centroids, hadamard_signs, bits, norm_correction, backend, packed, norms, start):
     # a bad call fails while tracing, not at the first replay
-    check_store_rows(x, *(split_rows(packed) if norms is None else (packed, norms)), start, bits)
+    check_store_rows(x, *_codes_and_norms(packed, norms), start, bits)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::decode_merged", mutates_args=())
@@ -58,10 +62,8 @@ def decode_merged(
     """See :func:`flashquant_hf.reference.decode_merged.decode_merged`. A side whose norms are None keeps them after its
     code rows: its ``*_packed`` is the uint8 rows buffer ``[B, H_kv, N, bytes + 4]`` (split here, not in the traced
     graph, where a float view of it would be a copy of the whole store)."""
-    if k_norms is None:
-        k_packed, k_norms = split_rows(k_packed)
-    if v_norms is None:
-        v_packed, v_norms = split_rows(v_packed)
+    k_packed, k_norms = _codes_and_norms(k_packed, k_norms)
+    v_packed, v_norms = _codes_and_norms(v_packed, v_norms)
     return ops.decode_merged(q_rot, k_packed, k_norms, v_packed, v_norms, k_centroids, v_centroids, lengths, key_bias,
                              extra_out, extra_lse, k_bits, v_bits, scale, backend=backend)
 
