@@ -9,7 +9,8 @@ The compressed-path algorithm (one call, ``Lq`` queries, the layer holding ``S``
    comes from the 4D mask as a per-key bias. Key centring shifts every compressed score of one query by
    ``scale * q . mu_k``: added to that part's log-sum-exp.
 2. ``out_c @ Pi_V`` once (+ ``mu_v`` with value centring).
-3. The exact parts (sinks and window) attended in torch with their own log-sum-exp, then ``ops.merge_partials``.
+3. The exact parts (sinks and window) attended in torch with their own log-sum-exp (one FlashAttention-2 call of
+   torch when every query sees them on a GPU: :func:`exact_attention_visible`), then ``ops.merge_partials``.
 
 A mask that is not "causal structure + per-key bias" (a custom 4D mask, a sliding window over a compressed
 layer during a multi-token chunk), soft-capping (Gemma-2) and split codes (outlier channels, QJL residual;
@@ -76,6 +77,38 @@ def exact_attention(
     return _softmax_out(scores, values.float(), q_heads, masked=bias is not None or kv_len == 0)
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def _flash_serves(query: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether torch's FlashAttention-2 kernel takes the exact part: fp16/bf16 K/V on an sm_80+ GPU, head_dim a
+    multiple of 8 up to 256."""
+    head_dim = query.shape[-1]
+    return (query.is_cuda and query.dtype in FLASH_DTYPES and keys.dtype == query.dtype and keys.shape[2] > 0
+            and head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM
+            and torch.cuda.get_device_capability(query.device)[0] >= 8)
+
+
+def exact_attention_visible(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`exact_attention` where every query row sees every key (a decode step without mask or soft-capping).
+
+    On a GPU with fp16/bf16 K/V this is one FlashAttention-2 kernel of torch (fp32 scores, the value product on
+    half-precision probabilities, as SDPA computes it) instead of a dozen ops, each a kernel launch that the host pays
+    for on every layer of every step; the GQA group is folded into the query rows, which needs no repeated K/V.
+    Returns out ``[B, Hq, Lq, D]`` (in the K/V dtype on that path, fp32 otherwise) and fp32 lse ``[B, Hq, Lq]``.
+    """
+    if not _flash_serves(query, keys):
+        return exact_attention(query, keys, values, None, scale)
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    rows = query.reshape(batch, kv_heads, q_heads // kv_heads * q_len, head_dim)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(rows, keys, values, scale=scale)[:2]
+    return out.view(batch, q_heads, q_len, head_dim), lse.view(batch, q_heads, q_len)
+
+
 def _softmax(scores: torch.Tensor, masked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(probabilities, log-sum-exp) over the last dim; rows that see nothing get probabilities 0 and lse -inf.
 
@@ -124,7 +157,8 @@ def _compressed_fast(
     dev = query.device
     tq_k, tq_v = layer.key_codec.quantizer, layer.value_codec.quantizer
     kp, kn, vp, vn = layer.compressed_views()
-    q_rot = (query.float() @ tq_k.rotation(dev).T).to(query.dtype)
+    q32 = query.float()
+    q_rot = (q32 @ tq_k.rotation(dev).T).to(query.dtype)
     args = (kp, kn, vp, vn, tq_k.centroids(dev), tq_v.centroids(dev), tq_k.bits, tq_v.bits, scale)
     outs, lses = [], []
     q_len = query.shape[2]
@@ -137,7 +171,7 @@ def _compressed_fast(
     out_rot = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     lse = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
     out = out_rot.float() @ tq_v.rotation(dev)
-    return _uncenter(layer, query, out, lse.float(), scale)
+    return _uncenter(layer, q32, out, lse.float(), scale)
 
 
 def _compressed_torch(
@@ -262,13 +296,16 @@ def _merged_rows(
 
 
 def _uncenter(
-    layer: TurboQuantLayer, query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float
+    layer: TurboQuantLayer, q32: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Undo key/value centring on a compressed part's (out, lse)."""
+    """Undo key/value centring on a compressed part's (out, lse) (``q32``: the fp32 query ``[B, Hq, Lq, D]``): every
+    compressed score of a query row is short by ``scale * q . mu_k`` (one batched product for all rows), every output
+    by ``mu_v``."""
     kv_heads = layer.num_heads
     if layer.key_mean is not None:
-        q_mu = (_grouped(query.float(), kv_heads) * layer.key_mean[:, :, None, None, :]).sum(-1)
-        lse = lse + scale * q_mu.reshape(lse.shape)
+        batch, _, _, head_dim = q32.shape
+        q_mu = q32.reshape(batch, kv_heads, -1, head_dim) @ layer.key_mean.unsqueeze(-1)
+        lse = lse.add(q_mu.view(lse.shape), alpha=scale)
     if layer.value_mean is not None:
         out = (_grouped(out, kv_heads) + layer.value_mean[:, :, None, None, :]).reshape(out.shape)
     return out, lse
@@ -354,7 +391,10 @@ def compressed_attention(
     else:
         visible = torch.cat([causal_visible(q_len, p[0].shape[2], p[3], dev) for p in parts], dim=-1)
         exact_bias = bias_from(visible)[None]
-    out_e, lse_e = exact_attention(query, keys, values, exact_bias, scale, softcap)
+    if exact_bias is None and softcap is None:
+        out_e, lse_e = exact_attention_visible(query, keys, values, scale)
+    else:
+        out_e, lse_e = exact_attention(query, keys, values, exact_bias, scale, softcap)
 
     stacked_out, stacked_lse = torch.stack([out_c, out_e]), torch.stack([lse_c, lse_e])
     out, _ = ops.merge_partials(stacked_out, stacked_lse, backend=layer.backend)
