@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     commit = _commit()
     doc = {"date": datetime.date.today().isoformat(), "commit": commit, "gpu": torch.cuda.get_device_name(),
-           "command": "python benchmarks/profile_e2e_step.py " + " ".join(argv or sys.argv[1:]),
+           "command": f"python benchmarks/profile_e2e_step.py --layers {args.layers}",  # not --out: where it went
            "batch": BATCH, "context": CONTEXT, "layers": args.layers, "presets": profile_presets(args.layers)}
     path = Path(args.out) / "e2e_step" / f"{doc['date']}_{commit}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

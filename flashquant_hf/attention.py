@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import ops
+from .backend import device_capability
 from .log import warn_once
 from .masks import as_bias, bias_from, causal_visible, check_mask, is_regular
 from .tags import CompressedPlan
@@ -87,7 +88,7 @@ def _flash_serves(query: torch.Tensor, keys: torch.Tensor) -> bool:
     head_dim = query.shape[-1]
     return (query.is_cuda and query.dtype in FLASH_DTYPES and keys.dtype == query.dtype and keys.shape[2] > 0
             and head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM
-            and torch.cuda.get_device_capability(query.device)[0] >= 8)
+            and device_capability(query.get_device())[0] >= 8)
 
 
 def exact_attention_visible(

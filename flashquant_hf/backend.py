@@ -45,6 +45,13 @@ def cupy_available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=64)
+def device_capability(device_index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``device_index`` (cached: launch paths and the attention of every layer ask
+    it)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def resolve_backend(*tensors: torch.Tensor, requested: str | None = None) -> str:
     """Return ``"cuda"`` or ``"torch"`` for an op on ``tensors``.
 

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
+from ..backend import device_capability
+
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
@@ -54,12 +56,6 @@ def cuda_source(name: str, _seen: frozenset[str] = frozenset()) -> str:
         return "" if header in seen else cuda_source(header, seen)
 
     return _INCLUDE.sub(inline, path.read_text())
-
-
-@functools.lru_cache(maxsize=64)
-def device_capability(device_index: int) -> tuple[int, int]:
-    """Compute capability of CUDA device ``device_index`` (cached: launch paths ask it)."""
-    return torch.cuda.get_device_capability(device_index)
 
 
 def _arch(device_index: int) -> str:
